@@ -1,0 +1,15 @@
+"""Environment flags of the model and runtime layer."""
+
+from hip_kernels.flags import bool_flag, choice_flag
+
+PKG = "dsv4"
+
+MULTI_STREAM_PREPARE = bool_flag(
+    "DSV4_MULTI_STREAM_PREPARE", False,
+    "run the compressors of the attention prepare step on side streams", PKG)
+GRAPH = bool_flag(
+    "DSV4_GRAPH", True,
+    "capture and replay decode steps as graphs (HIP graphs on ROCm, emulated on CPU)", PKG)
+GRAPH_BACKEND = choice_flag(
+    "DSV4_GRAPH_BACKEND", ("auto", "cuda", "emulate"), "auto",
+    "graph backend: auto = torch.cuda.CUDAGraph where a GPU exists, else the CPU emulation", PKG)

@@ -1,0 +1,12 @@
+"""Environment flags of the kernel layer."""
+
+from .flags import choice_flag
+
+PKG = "hip_kernels"
+
+FP8_DIALECT = choice_flag(
+    "DSV4_FP8_DIALECT", ("auto", "fnuz", "ocp"), "auto",
+    "FP8 e4m3 dialect of KV caches: auto = fnuz on gfx940/941/942, OCP e4m3fn elsewhere", PKG)
+KERNEL_BACKEND = choice_flag(
+    "DSV4_KERNEL_BACKEND", ("auto", "hip", "triton", "torch"), "auto",
+    "set-KV kernel backend: auto = HIP if built on ROCm, else Triton on a GPU, else torch", PKG)

@@ -1,0 +1,9 @@
+"""Environment flags of the KV memory layer."""
+
+from hip_kernels.flags import bool_flag
+
+PKG = "mem_pool"
+
+CACHE_SWA_TRANSLATION = bool_flag(
+    "DSV4_CACHE_SWA_TRANSLATION", True,
+    "cache the full->SWA slot translation per step, keyed by the location tensor's identity", PKG)

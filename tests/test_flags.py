@@ -1,0 +1,97 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dsv4 import flags_table
+from hip_kernels import envs as kenvs
+from hip_kernels.flags import FlagError, declare
+from mem_pool import envs as menvs
+from dsv4 import envs as denvs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("raw,expected", [
+    ("1", True), ("0", False), ("true", True), ("FALSE", False), ("on", True), ("Off", False),
+])
+def test_bool_flag_accepts_documented_spellings(flag_env, raw, expected):
+    flag_env(DSV4_CACHE_SWA_TRANSLATION=raw)
+    assert menvs.CACHE_SWA_TRANSLATION.get() is expected
+
+
+@pytest.mark.parametrize("raw", ["2", "yesplease", "", "enabled"])
+def test_bool_flag_rejects_other_values_naming_the_flag(flag_env, raw):
+    flag_env(DSV4_GRAPH=raw)
+    with pytest.raises(FlagError, match="DSV4_GRAPH.*0/1/true/false/on/off"):
+        denvs.GRAPH.get()
+
+
+def test_choice_flag_rejects_unknown_value(flag_env):
+    flag_env(DSV4_KERNEL_BACKEND="cuda")
+    with pytest.raises(FlagError, match="DSV4_KERNEL_BACKEND.*auto\\|hip\\|triton\\|torch"):
+        kenvs.KERNEL_BACKEND.get()
+
+
+def test_defaults_when_unset(flag_env):
+    flag_env()
+    assert kenvs.FP8_DIALECT.get() == "auto"
+    assert kenvs.KERNEL_BACKEND.get() == "auto"
+    assert menvs.CACHE_SWA_TRANSLATION.get() is True
+    assert denvs.MULTI_STREAM_PREPARE.get() is False
+    assert denvs.GRAPH.get() is True
+    assert all(f.source == "default" for f in flags_table.flags())
+
+
+def test_values_are_read_once_and_cached(flag_env, monkeypatch):
+    flag_env(DSV4_MULTI_STREAM_PREPARE="1")
+    assert denvs.MULTI_STREAM_PREPARE.get() is True
+    monkeypatch.setenv("DSV4_MULTI_STREAM_PREPARE", "0")
+    assert denvs.MULTI_STREAM_PREPARE.get() is True  # cached
+    flag_env(DSV4_MULTI_STREAM_PREPARE="0")  # refresh
+    assert denvs.MULTI_STREAM_PREPARE.get() is False
+
+
+def test_flag_names_need_prefix():
+    with pytest.raises(ValueError, match="DSV4_"):
+        declare("GRAPH", "bool", True, "x", "dsv4")
+
+
+def test_every_package_declares_its_flags():
+    packages = {f.package for f in flags_table.flags()}
+    assert packages == {"hip_kernels", "mem_pool", "dsv4"}
+    names = {f.name for f in flags_table.flags()}
+    assert {"DSV4_FP8_DIALECT", "DSV4_KERNEL_BACKEND", "DSV4_CACHE_SWA_TRANSLATION",
+            "DSV4_MULTI_STREAM_PREPARE", "DSV4_GRAPH"} <= names
+
+
+def test_readme_flag_table_matches_declarations():
+    readme = (ROOT / "README.md").read_text()
+    begin = readme.index(flags_table.README_BEGIN) + len(flags_table.README_BEGIN)
+    end = readme.index(flags_table.README_END)
+    assert readme[begin:end].strip() == flags_table.readme_table().strip(), (
+        "README flag table is out of date: regenerate it with `python -m dsv4 env --markdown`")
+
+
+def _run_cli(*args, env_extra=None):
+    import os
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DSV4_")}
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-m", "dsv4", *args], capture_output=True, text=True,
+                          cwd=ROOT, env=env)
+
+
+def test_cli_env_prints_every_flag_with_value_and_source():
+    out = _run_cli("env", env_extra={"DSV4_GRAPH": "off"})
+    assert out.returncode == 0, out.stderr
+    lines = {line.split()[0]: line.split() for line in out.stdout.splitlines()[1:]}
+    assert set(lines) == {f.name for f in flags_table.flags()}
+    assert lines["DSV4_GRAPH"][1:3] == ["0", "env"]
+    assert lines["DSV4_KERNEL_BACKEND"][1:3] == ["auto", "default"]
+
+
+def test_cli_env_reports_bad_value_and_fails():
+    out = _run_cli("env", env_extra={"DSV4_FP8_DIALECT": "e5m2"})
+    assert out.returncode == 1
+    assert "DSV4_FP8_DIALECT='e5m2'" in out.stdout
