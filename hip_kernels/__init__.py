@@ -7,8 +7,18 @@ functions that need them), so ``import hip_kernels`` works on a machine without 
 import logging
 
 from . import envs, platform
+from .kv_layout import (dequantize_kv_rows, indexer_page_bytes, page_bytes, quantize_kv_rows,
+                        read_indexer_rows, read_kv_rows)
 from .platform import fp8_dialect
+from .set_kv import (fused_k_norm_rope_store, fused_store_cache, fused_translate_norm_rope_store,
+                     indexer_store, store_kv_pack)
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
-__all__ = ["envs", "platform", "fp8_dialect"]
+__all__ = [
+    "envs", "platform", "fp8_dialect",
+    "page_bytes", "indexer_page_bytes", "quantize_kv_rows", "dequantize_kv_rows", "read_kv_rows",
+    "read_indexer_rows",
+    "fused_k_norm_rope_store", "fused_store_cache", "store_kv_pack", "indexer_store",
+    "fused_translate_norm_rope_store",
+]

@@ -1,0 +1,23 @@
+"""Whether a graph is being captured right now (real HIP/CUDA capture or the CPU emulation).
+
+Captured code must not synchronize with the host, so value checks that need one (location
+ranges) are skipped while capturing. The emulated capture lives in `dsv4.graphs`; it announces
+itself here because this layer may not import `dsv4`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_emulated_capture = False
+
+
+def set_emulated_capture(on: bool) -> None:
+    global _emulated_capture
+    _emulated_capture = bool(on)
+
+
+def is_capturing() -> bool:
+    if _emulated_capture:
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

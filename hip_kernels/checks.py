@@ -1,0 +1,50 @@
+"""Argument checks shared by every set-KV op: each failure names the argument and what was
+expected, and happens before any cache byte is written."""
+
+from __future__ import annotations
+
+import torch
+
+from .capture import is_capturing
+
+LOC_DTYPES = (torch.int32, torch.int64)
+
+
+def check_tensor(name: str, t, *, dtype=None, dtypes=None, dim=None, shape=None,
+                 device=None, last_contiguous=False) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    allowed = dtypes or ((dtype,) if dtype is not None else None)
+    if allowed and t.dtype not in allowed:
+        want = " or ".join(str(d) for d in allowed)
+        raise TypeError(f"{name} must have dtype {want}, got {t.dtype}")
+    if dim is not None and t.dim() != dim:
+        raise ValueError(f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
+    if shape is not None:
+        if len(shape) != t.dim() or any(s is not None and s != ts for s, ts in zip(shape, t.shape)):
+            want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+            raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} must be on {device}, got {t.device}")
+    if last_contiguous and t.dim() and t.stride(-1) != 1:
+        raise ValueError(f"{name} must have unit stride in its last dimension, got {t.stride()}")
+
+
+def check_cache(name: str, cache, row_bytes: int, page_size: int, device) -> None:
+    check_tensor(name, cache, dtype=torch.uint8, dim=2, device=device)
+    if cache.shape[1] != row_bytes:
+        raise ValueError(f"{name} page stride is {cache.shape[1]} bytes but page_size={page_size} "
+                         f"needs {row_bytes}: page-size mismatch")
+    if not cache.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def check_locations(name: str, loc, n: int, capacity: int, device) -> None:
+    """loc: [n] int32/int64 on device; values < capacity (negative = skip). The range check
+    needs a host sync, so it is skipped while a graph is being captured."""
+    check_tensor(name, loc, dtypes=LOC_DTYPES, shape=(n,), device=device)
+    if n and not is_capturing():
+        hi = int(loc.max())
+        if hi >= capacity:
+            raise IndexError(f"{name} holds location {hi} but the cache has {capacity} slots "
+                             f"(valid: -1 to skip, or 0..{capacity - 1})")

@@ -1,0 +1,105 @@
+"""Public set-KV ops: check arguments, resolve the backend, run.
+
+All writers skip rows whose location is negative and take the fp8 dialect from the platform
+(`DSV4_FP8_DIALECT` overrides). Every check happens before any cache byte is written.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import kv_layout as L
+from .backend import implementation, resolve
+from .capture import is_capturing
+from .checks import check_cache, check_locations, check_tensor
+from .platform import fp8_dialect
+from .set_kv_ref import translate_full_to_swa
+
+FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _check_norm_rope_args(kv, weight, freqs_cis, positions, cache, page_size):
+    check_tensor("kv", kv, dtype=torch.bfloat16, shape=(None, L.HEAD_DIM), last_contiguous=True)
+    dev = kv.device
+    check_tensor("weight", weight, dtypes=FLOATS, shape=(L.HEAD_DIM,), device=dev)
+    check_tensor("freqs_cis", freqs_cis, dtype=torch.complex64, shape=(None, L.ROPE_DIM // 2),
+                 device=dev)
+    check_tensor("positions", positions, dtypes=(torch.int32, torch.int64), shape=(kv.shape[0],),
+                 device=dev)
+    check_cache("cache", cache, L.page_bytes(page_size), page_size, dev)
+
+
+def _check_q(q, n, dev):
+    if q is None:
+        return
+    check_tensor("q", q, dtype=torch.bfloat16, dim=3, device=dev, last_contiguous=True)
+    if q.shape[0] != n or q.shape[2] != L.HEAD_DIM:
+        raise ValueError(f"q must have shape [{n}, H, {L.HEAD_DIM}], got {tuple(q.shape)}")
+
+
+def fused_k_norm_rope_store(kv, weight, eps, freqs_cis, positions, out_loc, cache, page_size,
+                            q=None) -> None:
+    """RMSNorm(kv)*weight, RoPE on dims 448..511, FP8-quantize dims 0..447, store at out_loc.
+    With q [N, H, 512], also applies the weightless per-head RMSNorm + RoPE to q in place."""
+    _check_norm_rope_args(kv, weight, freqs_cis, positions, cache, page_size)
+    _check_q(q, kv.shape[0], kv.device)
+    check_locations("out_loc", out_loc, kv.shape[0], cache.shape[0] * page_size, kv.device)
+    impl = implementation(resolve("fused_k_norm_rope_store", kv.device))
+    impl.fused_k_norm_rope_store(kv, weight, eps, freqs_cis, positions, out_loc, cache, page_size,
+                                 q, fp8_dialect())
+
+
+def fused_store_cache(rows, cache, out_loc, page_size) -> None:
+    """Quantize already normalized and rotated rows [N, 512] bf16 and store them at out_loc."""
+    check_tensor("rows", rows, dtype=torch.bfloat16, shape=(None, L.HEAD_DIM), last_contiguous=True)
+    check_cache("cache", cache, L.page_bytes(page_size), page_size, rows.device)
+    check_locations("out_loc", out_loc, rows.shape[0], cache.shape[0] * page_size, rows.device)
+    impl = implementation(resolve("fused_store_cache", rows.device))
+    impl.fused_store_cache(rows, cache, out_loc, page_size, fp8_dialect())
+
+
+def store_kv_pack(nope_fp8, rope_bf16, scales, cache, out_loc, page_size) -> None:
+    """Store a pre-quantized pack: nope [N, 448] fp8 (platform dialect), rope [N, 64] bf16,
+    scales [N, 7] uint8 ue8m0."""
+    d = fp8_dialect()
+    check_tensor("nope_fp8", nope_fp8, dtype=d.torch_dtype, shape=(None, L.NOPE_DIM),
+                 last_contiguous=True)
+    n, dev = nope_fp8.shape[0], nope_fp8.device
+    check_tensor("rope_bf16", rope_bf16, dtype=torch.bfloat16, shape=(n, L.ROPE_DIM), device=dev,
+                 last_contiguous=True)
+    check_tensor("scales", scales, dtype=torch.uint8, shape=(n, L.N_TILES), device=dev,
+                 last_contiguous=True)
+    check_cache("cache", cache, L.page_bytes(page_size), page_size, dev)
+    check_locations("out_loc", out_loc, n, cache.shape[0] * page_size, dev)
+    impl = implementation(resolve("store_kv_pack", dev))
+    impl.store_kv_pack(nope_fp8, rope_bf16, scales, cache, out_loc, page_size)
+
+
+def indexer_store(k, cache, out_loc, page_size) -> None:
+    """Quantize indexer keys [N, 128] (fp32 scale per row) into the 132-byte indexer layout."""
+    check_tensor("k", k, dtypes=FLOATS, shape=(None, L.INDEX_DIM), last_contiguous=True)
+    check_cache("cache", cache, L.indexer_page_bytes(page_size), page_size, k.device)
+    check_locations("out_loc", out_loc, k.shape[0], cache.shape[0] * page_size, k.device)
+    impl = implementation(resolve("indexer_store", k.device))
+    impl.indexer_store(k, cache, out_loc, page_size, fp8_dialect())
+
+
+def fused_translate_norm_rope_store(kv, weight, eps, freqs_cis, positions, full_loc, full_to_swa,
+                                    cache, page_size, swa_loc_out=None) -> None:
+    """As fused_k_norm_rope_store, but translates full-pool locations through full_to_swa inside
+    the kernel. Negative full locations and unmapped (0) slots write nothing. swa_loc_out [N]
+    int32, if given, receives the translated slots (-1 for negative locations)."""
+    _check_norm_rope_args(kv, weight, freqs_cis, positions, cache, page_size)
+    n, dev = kv.shape[0], kv.device
+    check_tensor("full_to_swa", full_to_swa, dtypes=(torch.int32, torch.int64), dim=1, device=dev)
+    check_locations("full_loc", full_loc, n, full_to_swa.shape[0], dev)
+    if swa_loc_out is not None:
+        check_tensor("swa_loc_out", swa_loc_out, dtype=torch.int32, shape=(n,), device=dev)
+    if n and not is_capturing():
+        hi = int(translate_full_to_swa(full_loc, full_to_swa).max())
+        if hi >= cache.shape[0] * page_size:
+            raise IndexError(f"full_to_swa maps a location of full_loc to SWA slot {hi} but the "
+                             f"cache has {cache.shape[0] * page_size} slots")
+    impl = implementation(resolve("fused_translate_norm_rope_store", dev))
+    impl.fused_translate_norm_rope_store(kv, weight, eps, freqs_cis, positions, full_loc,
+                                         full_to_swa, cache, page_size, swa_loc_out, fp8_dialect())

@@ -1,0 +1,95 @@
+"""Torch reference of the set-KV family: the CPU path and the oracle of the Triton/HIP kernels.
+
+Numerics every backend reproduces (so fused and unfused paths write identical bytes):
+- RMSNorm: the sum of squares of bf16 inputs is accumulated in fp64 (exact, so independent of
+  reduction order), divided by the width, rounded to fp32; r = 1 / sqrt_rn(ms + eps) in fp32;
+  y = bf16(weight * (x * r)).
+- RoPE on dims 448..511, interleaved pairs: (a, b) -> (a*c - b*d, a*d + b*c) in fp32 from the
+  bf16 values, rounded to bf16.
+- FP8 quantization of the bf16 nope dims as in `kv_layout.quantize_kv_rows`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import kv_layout as L
+from .platform import Fp8Dialect
+
+
+def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of a bf16 tensor, result bf16 (weight None = weightless)."""
+    xf = x.float()
+    ms = (xf.double().square().sum(-1, keepdim=True) / x.shape[-1]).float()
+    r = 1.0 / torch.sqrt(ms + torch.tensor(eps, dtype=torch.float32))
+    y = xf * r
+    if weight is not None:
+        y = weight.float() * y
+    return y.to(torch.bfloat16)
+
+
+def rope_bf16(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Interleaved RoPE of bf16 x [..., 64] with cos/sin [..., 32] (broadcast), result bf16."""
+    a = x[..., 0::2].float()
+    b = x[..., 1::2].float()
+    re = a * cos - b * sin
+    im = a * sin + b * cos
+    return torch.stack([re, im], dim=-1).flatten(-2).to(torch.bfloat16)
+
+
+def _norm_rope_rows(kv, weight, eps, freqs_cis, positions):
+    y = rms_norm_bf16(kv, weight, eps)
+    f = freqs_cis[positions.long()]
+    rope = rope_bf16(y[:, L.NOPE_DIM:], f.real, f.imag)
+    return torch.cat([y[:, :L.NOPE_DIM], rope], dim=1), f
+
+
+def _norm_rope_q(q, eps, f) -> None:
+    yq = rms_norm_bf16(q, None, eps)
+    yq[..., L.NOPE_DIM:] = rope_bf16(yq[..., L.NOPE_DIM:], f.real.unsqueeze(1), f.imag.unsqueeze(1))
+    q.copy_(yq)
+
+
+def _store_rows(rows, cache, loc, page_size, dialect: Fp8Dialect) -> None:
+    nope, rope, scales = L.quantize_kv_rows(rows, dialect)
+    values, scale_bytes = L.pack_kv_bytes(nope, rope, scales)
+    L.write_kv_bytes(cache, loc, page_size, values, scale_bytes)
+
+
+def fused_k_norm_rope_store(kv, weight, eps, freqs_cis, positions, out_loc, cache, page_size,
+                            q, dialect: Fp8Dialect) -> None:
+    rows, f = _norm_rope_rows(kv, weight, eps, freqs_cis, positions)
+    _store_rows(rows, cache, out_loc, page_size, dialect)
+    if q is not None:
+        _norm_rope_q(q, eps, f)
+
+
+def fused_store_cache(rows, cache, out_loc, page_size, dialect: Fp8Dialect) -> None:
+    _store_rows(rows, cache, out_loc, page_size, dialect)
+
+
+def store_kv_pack(nope_fp8, rope_bf16, scales, cache, out_loc, page_size) -> None:
+    values, scale_bytes = L.pack_kv_bytes(nope_fp8, rope_bf16, scales)
+    L.write_kv_bytes(cache, out_loc, page_size, values, scale_bytes)
+
+
+def indexer_store(k, cache, out_loc, page_size, dialect: Fp8Dialect) -> None:
+    qk, scale = L.quantize_indexer_rows(k, dialect)
+    L.write_indexer_bytes(cache, out_loc, page_size, qk, scale)
+
+
+def translate_full_to_swa(full_loc: torch.Tensor, full_to_swa: torch.Tensor) -> torch.Tensor:
+    """int32 SWA slots of full locations: full_to_swa[loc], -1 where loc < 0 (0 = unmapped)."""
+    loc = full_loc.long()
+    swa = full_to_swa[loc.clamp_min(0)].to(torch.int32)
+    return torch.where(loc >= 0, swa, torch.full_like(swa, -1))
+
+
+def fused_translate_norm_rope_store(kv, weight, eps, freqs_cis, positions, full_loc, full_to_swa,
+                                    cache, page_size, swa_loc_out, dialect: Fp8Dialect) -> None:
+    swa = translate_full_to_swa(full_loc, full_to_swa)
+    write_loc = torch.where(swa > 0, swa, torch.full_like(swa, -1))
+    rows, _ = _norm_rope_rows(kv, weight, eps, freqs_cis, positions)
+    _store_rows(rows, cache, write_loc, page_size, dialect)
+    if swa_loc_out is not None:
+        swa_loc_out.copy_(swa)
