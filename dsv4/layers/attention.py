@@ -1,0 +1,85 @@
+"""MQA attention of DeepSeek-V4: one shared 512-wide KV row per token (K = V), per-head sinks.
+
+The module holds the parameters and the math of each step; where KV rows live (the paged caches)
+is the caller's business:
+
+1. ``project_q``: ``qr = q_norm(wq_a(x))``, ``q = wq_b(qr)`` as [N, H, 512] (before its norm).
+   ``norm_rope_q``: weightless per-head RMSNorm, RoPE on dims 448..511.
+2. ``project_kv``: ``wkv(x)`` [N, 512]; ``norm_rope_kv``: kv_norm, RoPE (the FP8 simulation of the
+   nope dims is the cache's quantization at the store).
+3. ``sparse_attention``: softmax over the gathered rows with the head's sink in the denominator.
+4. ``project_out``: inverse RoPE on o[..., 448:], grouped low-rank ``wo_a``, then ``wo_b``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .compressor import Compressor
+from .indexer import Indexer
+from .norm import RMSNorm, rms_norm
+from .rope import rope_tail
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg, layer_id: int, dtype: torch.dtype = torch.bfloat16, device=None):
+        super().__init__()
+        self.layer_id = layer_id
+        self.n_heads = cfg.n_heads
+        self.head_dim = cfg.head_dim
+        self.rope_dim = cfg.rope_head_dim
+        self.n_groups = cfg.o_groups
+        self.o_lora_rank = cfg.o_lora_rank
+        self.window_size = cfg.window_size
+        self.ratio = cfg.layer_ratio(layer_id)
+        self.eps = cfg.norm_eps
+        self.softmax_scale = self.head_dim ** -0.5
+
+        def linear(i, o):
+            return nn.Linear(i, o, bias=False, dtype=dtype, device=device)
+
+        self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32, device=device))
+        self.wq_a = linear(cfg.dim, cfg.q_lora_rank)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, self.eps, device=device)
+        self.wq_b = linear(cfg.q_lora_rank, self.n_heads * self.head_dim)
+        self.wkv = linear(cfg.dim, self.head_dim)
+        self.kv_norm = RMSNorm(self.head_dim, self.eps, device=device)
+        self.wo_a = linear(self.n_heads * self.head_dim // self.n_groups,
+                           self.n_groups * self.o_lora_rank)
+        self.wo_b = linear(self.n_groups * self.o_lora_rank, cfg.dim)
+        self.compressor = (Compressor(cfg.dim, self.head_dim, self.rope_dim, self.ratio, self.eps,
+                                      device=device) if self.ratio else None)
+        self.indexer = Indexer(cfg, dtype, device) if self.ratio == 4 else None
+
+    def project_q(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q [N, H, 512] before its norm, qr [N, q_lora_rank])."""
+        qr = self.q_norm(self.wq_a(x))
+        return self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), qr
+
+    def norm_rope_q(self, q: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        return rope_tail(rms_norm(q, None, self.eps), freqs_cis, self.rope_dim)
+
+    def project_kv(self, x: torch.Tensor) -> torch.Tensor:
+        return self.wkv(x)
+
+    def norm_rope_kv(self, kv: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        return rope_tail(self.kv_norm(kv), freqs_cis, self.rope_dim)
+
+    def sparse_attention(self, q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """q [N, H, 512], kv [N, K, 512] (dequantized rows), valid [N, K] -> o [N, H, 512] in q's
+        dtype: p_j = exp(s_j - m) / (sum_k exp(s_k - m) + exp(sink_h - m))."""
+        kvf = kv.float()
+        s = torch.einsum("nhd,nkd->nhk", q.float(), kvf) * self.softmax_scale
+        s = s.masked_fill(~valid.unsqueeze(1), float("-inf"))
+        sink = self.attn_sink.float().view(1, -1, 1).expand(s.shape[0], -1, 1)
+        p = torch.cat([s, sink], -1).softmax(-1)[..., :-1]
+        return torch.einsum("nhk,nkd->nhd", p, kvf).to(q.dtype)
+
+    def project_out(self, o: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        """[N, H, 512] -> [N, dim]: inverse RoPE, grouped wo_a, wo_b."""
+        o = rope_tail(o, freqs_cis, self.rope_dim, inverse=True)
+        o = o.flatten(1).unflatten(-1, (self.n_groups, -1))
+        w = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
+        t = torch.einsum("ngd,grd->ngr", o, w)
+        return self.wo_b(t.flatten(1))

@@ -1,0 +1,55 @@
+"""The lightning indexer of CSA (ratio-4) layers: picks which compressed rows a query attends.
+
+``q = wq_b(qr)`` per index head [Hi, 128], RoPE on its last 64 dims, Hadamard rotation, FP4
+simulation; keys come from the indexer's own ratio-4 compressor (head_dim 128, same treatment).
+``score[t] = sum_h relu(q_h . k_t) * w_h`` with ``w = weights_proj(x) * 128^-0.5 * Hi^-0.5``; the
+top ``index_topk`` visible rows are kept (all of them when there are no more than that).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .compressor import Compressor
+from .quant_sim import fp4_quant_dequant, hadamard_rotate
+from .rope import rope_tail
+
+
+class Indexer(nn.Module):
+    def __init__(self, cfg, dtype: torch.dtype = torch.bfloat16, device=None):
+        super().__init__()
+        self.n_heads = cfg.index_n_heads
+        self.head_dim = cfg.index_head_dim
+        self.rope_dim = cfg.rope_head_dim
+        self.topk = cfg.index_topk
+        self.ratio = 4
+        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False,
+                              dtype=dtype, device=device)
+        self.weights_proj = nn.Linear(cfg.dim, self.n_heads, bias=False, dtype=dtype, device=device)
+        self.compressor = Compressor(cfg.dim, self.head_dim, self.rope_dim, self.ratio,
+                                     cfg.norm_eps, rotate=True, device=device)
+
+    def project_q(self, qr: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        """Index queries [N, Hi, 128] (RoPE at the token positions, rotated, FP4-simulated)."""
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        q = rope_tail(q, freqs_cis, self.rope_dim)
+        return fp4_quant_dequant(hadamard_rotate(q))
+
+    def head_weights(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-head weights [N, Hi] fp32."""
+        return self.weights_proj(x).float() * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
+
+    @staticmethod
+    def scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """q [N, Hi, 128], weights [N, Hi], keys [N, T, 128] -> fp32 [N, T]."""
+        s = torch.einsum("nhd,ntd->nht", q.float(), keys.float()).relu()
+        return (s * weights.unsqueeze(-1)).sum(1)
+
+    def select(self, scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """Top-k of scores [N, T] among visible [N, T] rows: int64 [N, min(topk, T)], -1 where a
+        query has fewer visible rows than that."""
+        k = min(self.topk, scores.shape[1])
+        masked = scores.masked_fill(~visible, float("-inf"))
+        vals, idx = masked.topk(k, dim=-1)
+        return idx.masked_fill(vals == float("-inf"), -1)

@@ -1,0 +1,53 @@
+"""Quantization simulations the reference applies to activations (quantize, then dequantize).
+
+- FP4 e2m1 in 32-wide blocks with power-of-two scales: the indexer's q and compressed keys.
+- The Walsh-Hadamard rotation (scale d^-0.5) applied to the indexer's q and keys before FP4.
+(The FP8 simulation of KV rows is the cache's own quantization: ``hip_kernels.kv_layout``.)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from hip_kernels.kv_layout import pow2_ceil_exponent
+
+FP4_MAX = 6.0
+FP4_BLOCK = 32
+FP4_AMAX_FLOOR = FP4_MAX * 2.0 ** -126
+
+
+def round_to_e2m1(y: torch.Tensor) -> torch.Tensor:
+    """Round fp32 values in [-6, 6] to the e2m1 grid {0, .5, 1, 1.5, 2, 3, 4, 6} (nearest, ties to
+    even): the grid step is 0.5 below 2, 1 in [2, 4) and 2 from 4 on, and within each binade an
+    even multiple of the step is the even mantissa, so torch.round (half to even) does it."""
+    a = y.abs()
+    step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
+    return torch.copysign(torch.round(a / step) * step, y)
+
+
+def fp4_quant_dequant(x: torch.Tensor, block: int = FP4_BLOCK) -> torch.Tensor:
+    """x rounded to FP4 e2m1 per block of the last dim (scale 2^ceil(log2(amax / 6))), x's dtype."""
+    z = x.float().unflatten(-1, (-1, block))
+    amax = z.abs().amax(-1, keepdim=True).clamp_min(FP4_AMAX_FLOOR)
+    exp = pow2_ceil_exponent(amax / FP4_MAX)
+    scale = torch.ldexp(torch.ones_like(amax), exp)
+    q = round_to_e2m1((z / scale).clamp(-FP4_MAX, FP4_MAX))
+    return (q * scale).flatten(-2).to(x.dtype)
+
+
+@functools.lru_cache(maxsize=8)
+def _hadamard(d: int, device: torch.device) -> torch.Tensor:
+    h = torch.ones(1, 1)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h * d ** -0.5).to(device)
+
+
+def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
+    """x @ H_d * d^-0.5 over the last dim (Sylvester order, H symmetric), fp32 math, x's dtype."""
+    d = x.shape[-1]
+    if d & (d - 1):
+        raise ValueError(f"hadamard_rotate needs a power-of-two last dim, got {d}")
+    return (x.float() @ _hadamard(d, x.device)).to(x.dtype)
