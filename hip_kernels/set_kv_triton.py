@@ -1,0 +1,172 @@
+"""Triton kernels and launchers of the set-KV family (same names and arguments as `set_kv_ref`).
+
+One program per KV row (plus one per q head when q is fused in). Arguments are checked by the
+public ops in `set_kv`; these launchers trust them. Rows whose location is negative (or, for the
+translating store, whose SWA slot is unmapped) write nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import kv_layout as L
+from .triton_kv_row import (AMAX_FLOOR, INDEX_DIM, LAUNCH_OPTIONS, N_TILES, NOPE_DIM, SCALE_BYTES,
+                            fp8_type, indexer_offsets, load_nope, load_rope, nope_offsets,
+                            quantize_tiles, rms_inverse, rope_offsets, rotate_pairs, store_kv_row)
+
+
+@triton.jit
+def _norm_rope_kv_row(kv_row, weight_ptr, eps, freq_row, freq_stride_pair, cache_ptr, loc, keep,
+                      PAGE_SIZE: tl.constexpr, PAGE_BYTES: tl.constexpr,
+                      FP8: tl.constexpr, FP8_MAX: tl.constexpr):
+    nope = load_nope(kv_row).to(tl.float32)
+    rope = load_rope(kv_row + NOPE_DIM).to(tl.float32)
+    r = rms_inverse(nope, rope, eps)
+    nope = (load_nope(weight_ptr).to(tl.float32) * (nope * r)).to(tl.bfloat16).to(tl.float32)
+    rope = (load_rope(weight_ptr + NOPE_DIM).to(tl.float32) * (rope * r)).to(tl.bfloat16).to(tl.float32)
+    nope_bytes, scale_bytes = quantize_tiles(nope, FP8, FP8_MAX)
+    rope = rotate_pairs(rope, freq_row, freq_stride_pair)
+    store_kv_row(cache_ptr, loc, keep, nope_bytes, rope, scale_bytes, PAGE_SIZE, PAGE_BYTES)
+
+
+@triton.jit
+def _norm_rope_q_head(q_head, eps, freq_row, freq_stride_pair):
+    """Weightless RMSNorm + RoPE of one q head [512] bf16, in place."""
+    nope = load_nope(q_head).to(tl.float32)
+    rope = load_rope(q_head + NOPE_DIM).to(tl.float32)
+    r = rms_inverse(nope, rope, eps)
+    offs, mask = nope_offsets()
+    tl.store(q_head + offs, (nope * r).to(tl.bfloat16), mask=mask)
+    rope = (rope * r).to(tl.bfloat16).to(tl.float32)
+    tl.store(q_head + NOPE_DIM + rope_offsets(), rotate_pairs(rope, freq_row, freq_stride_pair))
+
+
+@triton.jit
+def norm_rope_store_kernel(kv_ptr, kv_stride, weight_ptr, eps, freq_ptr, freq_stride_pos,
+                           freq_stride_pair, pos_ptr, loc_ptr, full_to_swa_ptr, swa_out_ptr,
+                           cache_ptr, q_ptr, q_stride_row, q_stride_head,
+                           PAGE_SIZE: tl.constexpr, PAGE_BYTES: tl.constexpr,
+                           FP8: tl.constexpr, FP8_MAX: tl.constexpr, TRANSLATE: tl.constexpr,
+                           HAS_SWA_OUT: tl.constexpr, HAS_Q: tl.constexpr):
+    """Grid (N, 1 + H): program (i, 0) normalizes, rotates, quantizes and stores kv row i;
+    program (i, h + 1) normalizes and rotates q[i, h] in place. With TRANSLATE, loc_ptr holds
+    full-pool locations mapped through full_to_swa (negative or unmapped 0 = skip)."""
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    pos = tl.load(pos_ptr + row).to(tl.int64)
+    freq_row = freq_ptr + pos * freq_stride_pos
+    if head == 0:
+        loc = tl.load(loc_ptr + row).to(tl.int64)
+        if TRANSLATE:
+            loc = tl.load(full_to_swa_ptr + loc, mask=loc >= 0, other=-1).to(tl.int32)
+            if HAS_SWA_OUT:
+                tl.store(swa_out_ptr + row, loc)
+            keep = loc > 0
+        else:
+            keep = loc >= 0
+        _norm_rope_kv_row(kv_ptr + row * kv_stride, weight_ptr, eps, freq_row, freq_stride_pair,
+                          cache_ptr, loc, keep, PAGE_SIZE, PAGE_BYTES, FP8, FP8_MAX)
+    else:
+        if HAS_Q:
+            q_head = q_ptr + row * q_stride_row + (head - 1).to(tl.int64) * q_stride_head
+            _norm_rope_q_head(q_head, eps, freq_row, freq_stride_pair)
+
+
+def _launch_norm_rope(kv, weight, eps, freqs_cis, positions, loc, full_to_swa, swa_loc_out, cache,
+                      page_size, q, dialect):
+    n = kv.shape[0]
+    if n == 0:
+        return
+    freqs = torch.view_as_real(freqs_cis)
+    heads = 0 if q is None else q.shape[1]
+    norm_rope_store_kernel[(n, 1 + heads)](
+        kv, kv.stride(0), weight, float(eps), freqs, freqs.stride(0), freqs.stride(1), positions,
+        loc, loc if full_to_swa is None else full_to_swa, loc if swa_loc_out is None else swa_loc_out,
+        cache, kv if q is None else q, 0 if q is None else q.stride(0),
+        0 if q is None else q.stride(1),
+        PAGE_SIZE=page_size, PAGE_BYTES=L.page_bytes(page_size), FP8=fp8_type(dialect),
+        FP8_MAX=dialect.max, TRANSLATE=full_to_swa is not None,
+        HAS_SWA_OUT=swa_loc_out is not None, HAS_Q=q is not None, **LAUNCH_OPTIONS)
+
+
+def fused_k_norm_rope_store(kv, weight, eps, freqs_cis, positions, out_loc, cache, page_size,
+                            q, dialect) -> None:
+    _launch_norm_rope(kv, weight, eps, freqs_cis, positions, out_loc, None, None, cache,
+                      page_size, q, dialect)
+
+
+def fused_translate_norm_rope_store(kv, weight, eps, freqs_cis, positions, full_loc, full_to_swa,
+                                    cache, page_size, swa_loc_out, dialect) -> None:
+    _launch_norm_rope(kv, weight, eps, freqs_cis, positions, full_loc, full_to_swa, swa_loc_out,
+                      cache, page_size, None, dialect)
+
+
+@triton.jit
+def store_cache_kernel(rows_ptr, row_stride, loc_ptr, cache_ptr, PAGE_SIZE: tl.constexpr,
+                       PAGE_BYTES: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr):
+    """Quantize and store one already normalized and rotated bf16 row per program."""
+    row = tl.program_id(0).to(tl.int64)
+    loc = tl.load(loc_ptr + row).to(tl.int64)
+    row_ptr = rows_ptr + row * row_stride
+    nope_bytes, scale_bytes = quantize_tiles(load_nope(row_ptr).to(tl.float32), FP8, FP8_MAX)
+    store_kv_row(cache_ptr, loc, loc >= 0, nope_bytes, load_rope(row_ptr + NOPE_DIM), scale_bytes,
+                 PAGE_SIZE, PAGE_BYTES)
+
+
+def fused_store_cache(rows, cache, out_loc, page_size, dialect) -> None:
+    if rows.shape[0] == 0:
+        return
+    store_cache_kernel[(rows.shape[0],)](
+        rows, rows.stride(0), out_loc, cache, PAGE_SIZE=page_size,
+        PAGE_BYTES=L.page_bytes(page_size), FP8=fp8_type(dialect), FP8_MAX=dialect.max,
+        **LAUNCH_OPTIONS)
+
+
+@triton.jit
+def store_pack_kernel(nope_ptr, nope_stride, rope_ptr, rope_stride, scales_ptr, scales_stride,
+                      loc_ptr, cache_ptr, PAGE_SIZE: tl.constexpr, PAGE_BYTES: tl.constexpr):
+    """Copy one pre-quantized row (fp8 bytes, bf16 rope, 7 ue8m0 bytes) per program."""
+    row = tl.program_id(0).to(tl.int64)
+    loc = tl.load(loc_ptr + row).to(tl.int64)
+    nope = load_nope(nope_ptr + row * nope_stride)
+    rope = load_rope(rope_ptr + row * rope_stride)
+    tile = tl.arange(0, SCALE_BYTES)
+    scales = tl.load(scales_ptr + row * scales_stride + tile, mask=tile < N_TILES, other=0)
+    store_kv_row(cache_ptr, loc, loc >= 0, nope, rope, scales, PAGE_SIZE, PAGE_BYTES)
+
+
+def store_kv_pack(nope_fp8, rope_bf16, scales, cache, out_loc, page_size) -> None:
+    if nope_fp8.shape[0] == 0:
+        return
+    store_pack_kernel[(nope_fp8.shape[0],)](
+        nope_fp8.view(torch.uint8), nope_fp8.stride(0), rope_bf16, rope_bf16.stride(0), scales,
+        scales.stride(0), out_loc, cache, PAGE_SIZE=page_size,
+        PAGE_BYTES=L.page_bytes(page_size), **LAUNCH_OPTIONS)
+
+
+@triton.jit
+def indexer_store_kernel(k_ptr, k_stride, loc_ptr, cache_ptr, PAGE_SIZE: tl.constexpr,
+                         FP8: tl.constexpr, FP8_MAX: tl.constexpr):
+    """One indexer key [128] per program: fp32 scale max(amax, 1e-4) / FP8_MAX, values k / scale
+    cast to fp8, in the 132-byte layout."""
+    row = tl.program_id(0).to(tl.int64)
+    loc = tl.load(loc_ptr + row).to(tl.int64)
+    dims = tl.arange(0, INDEX_DIM)
+    k = tl.load(k_ptr + row * k_stride + dims).to(tl.float32)
+    scale = tl.div_rn(tl.maximum(tl.max(tl.abs(k)), AMAX_FLOOR), tl.full([], FP8_MAX, tl.float32))
+    x = tl.div_rn(k, scale)
+    q = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX).to(FP8).to(tl.uint8, bitcast=True)
+    value_off, scale_off = indexer_offsets(loc, PAGE_SIZE)
+    keep = loc >= 0
+    tl.store(cache_ptr + value_off + dims, q, mask=keep)
+    tl.store((cache_ptr + scale_off).to(tl.pointer_type(tl.float32)), scale, mask=keep)
+
+
+def indexer_store(k, cache, out_loc, page_size, dialect) -> None:
+    if k.shape[0] == 0:
+        return
+    indexer_store_kernel[(k.shape[0],)](
+        k, k.stride(0), out_loc, cache, PAGE_SIZE=page_size, FP8=fp8_type(dialect),
+        FP8_MAX=dialect.max, **LAUNCH_OPTIONS)

@@ -1,0 +1,138 @@
+"""Triton building blocks of the set-KV kernels: one 512-wide V4 KV row per program.
+
+A row is held as a [8, 64] nope block (tiles 0..6; tile 7 is masked padding so the block is a
+power of two) and a [32, 2] block of interleaved RoPE pairs. Every load is upcast to fp32 before
+arithmetic; every rounding matches `set_kv_ref` (RNE casts, `sqrt_rn`/`div_rn`, kernels compiled
+with fp fusion off so `a*c - b*d` is never contracted into an fma). Byte offsets are int64 and
+computed only by `kv_value_offset` / `kv_scale_offset` / `indexer_offsets`, which the tests call
+with locations whose offsets pass 2^31.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from . import kv_layout as L
+
+HEAD_DIM = tl.constexpr(L.HEAD_DIM)
+NOPE_DIM = tl.constexpr(L.NOPE_DIM)
+TILE = tl.constexpr(L.TILE)
+N_TILES = tl.constexpr(L.N_TILES)
+TILE_BLOCK = tl.constexpr(8)            # N_TILES padded to a power of two
+PAIRS = tl.constexpr(L.ROPE_DIM // 2)
+VALUE_BYTES = tl.constexpr(L.VALUE_BYTES)
+SCALE_BYTES = tl.constexpr(L.SCALE_BYTES)
+INDEX_DIM = tl.constexpr(L.INDEX_DIM)
+AMAX_FLOOR = tl.constexpr(L.AMAX_FLOOR)
+UE8M0_BIAS = tl.constexpr(L.UE8M0_BIAS)
+
+# Launch options of every set-KV kernel (also used by the ahead-of-time compile): one wave64 per
+# row gives 16-byte loads per lane; no fp contraction so results match the torch reference.
+LAUNCH_OPTIONS = {"num_warps": 1, "enable_fp_fusion": False}
+
+
+def fp8_type(dialect):
+    """Triton fp8 type of a platform dialect: float8e4b8 (fnuz) or float8e4nv (OCP)."""
+    return getattr(tl, dialect.triton_name)
+
+
+@triton.jit
+def kv_value_offset(loc, PAGE_SIZE: tl.constexpr, PAGE_BYTES: tl.constexpr):
+    """int64 byte offset of a location's 576 value bytes: page * PAGE_BYTES + t * 576."""
+    loc = loc.to(tl.int64)
+    return (loc // PAGE_SIZE) * PAGE_BYTES + (loc % PAGE_SIZE) * VALUE_BYTES
+
+
+@triton.jit
+def kv_scale_offset(loc, PAGE_SIZE: tl.constexpr, PAGE_BYTES: tl.constexpr):
+    """int64 byte offset of a location's 8 scale bytes: page * PAGE_BYTES + P*576 + t * 8."""
+    loc = loc.to(tl.int64)
+    return (loc // PAGE_SIZE) * PAGE_BYTES + PAGE_SIZE * VALUE_BYTES + (loc % PAGE_SIZE) * SCALE_BYTES
+
+
+@triton.jit
+def indexer_offsets(loc, PAGE_SIZE: tl.constexpr):
+    """int64 byte offsets (values, fp32 scale) of a location in the 132-byte indexer layout."""
+    loc = loc.to(tl.int64)
+    base = (loc // PAGE_SIZE) * (PAGE_SIZE * (INDEX_DIM + 4))
+    t = loc % PAGE_SIZE
+    return base + t * INDEX_DIM, base + PAGE_SIZE * INDEX_DIM + t * 4
+
+
+@triton.jit
+def nope_offsets():
+    """[8, 64] element offsets of the nope tiles and the mask of the 7 real tiles."""
+    tile = tl.arange(0, TILE_BLOCK)[:, None]
+    offs = tile * TILE + tl.arange(0, TILE)[None, :]
+    return offs, tile < N_TILES
+
+
+@triton.jit
+def rope_offsets():
+    """[32, 2] element offsets of the 64 RoPE values as interleaved (a, b) pairs."""
+    return tl.arange(0, PAIRS)[:, None] * 2 + tl.arange(0, 2)[None, :]
+
+
+@triton.jit
+def load_nope(row_ptr):
+    offs, mask = nope_offsets()
+    return tl.load(row_ptr + offs, mask=mask, other=0.0)
+
+
+@triton.jit
+def load_rope(rope_ptr):
+    """The 64 RoPE values as [32, 2] pairs; rope_ptr points at dim 448 of a row."""
+    return tl.load(rope_ptr + rope_offsets())
+
+
+@triton.jit
+def rms_inverse(nope, rope, eps):
+    """1 / sqrt_rn(mean(x^2) + eps) in fp32. The sum of squares of bf16 values is taken in fp64,
+    where it is exact (16-bit squares), so it does not depend on the reduction order."""
+    n64 = nope.to(tl.float64)
+    r64 = rope.to(tl.float64)
+    ss = tl.sum(n64 * n64) + tl.sum(r64 * r64)
+    ms = (ss / HEAD_DIM).to(tl.float32)
+    return tl.div_rn(tl.full([], 1.0, tl.float32), tl.sqrt_rn(ms + eps))
+
+
+@triton.jit
+def rotate_pairs(rope, freq_row_ptr, freq_stride_pair):
+    """Interleaved RoPE of fp32 pairs [32, 2] with cos/sin from a float32 view of complex64
+    freqs: (a, b) -> (a*c - b*d, a*d + b*c), rounded to bf16."""
+    cs = tl.load(freq_row_ptr + tl.arange(0, PAIRS)[:, None] * freq_stride_pair
+                 + tl.arange(0, 2)[None, :])
+    c, d = tl.split(cs)
+    a, b = tl.split(rope)
+    return tl.join(a * c - b * d, a * d + b * c).to(tl.bfloat16)
+
+
+@triton.jit
+def quantize_tiles(nope, FP8: tl.constexpr, FP8_MAX: tl.constexpr):
+    """Per-tile fp8 quantization of fp32 (bf16-valued) nope [8, 64]: scale 2^e with
+    e = ceil(log2(max(amax, 1e-4) / FP8_MAX)) from the fp32 bits. Returns (fp8 bytes [8, 64],
+    scale bytes [8]: 7 ue8m0 + a zero pad byte)."""
+    amax = tl.maximum(tl.max(tl.abs(nope), axis=1), AMAX_FLOOR)
+    bits = tl.div_rn(amax, tl.full([TILE_BLOCK], FP8_MAX, tl.float32)).to(tl.int32, bitcast=True)
+    exp = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    inv_scale = ((127 - exp) << 23).to(tl.float32, bitcast=True)
+    x = nope * inv_scale[:, None]
+    q = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX).to(FP8)
+    tile = tl.arange(0, TILE_BLOCK)
+    scale_bytes = tl.where(tile < N_TILES, exp + UE8M0_BIAS, 0).to(tl.uint8)
+    return q.to(tl.uint8, bitcast=True), scale_bytes
+
+
+@triton.jit
+def store_kv_row(cache_ptr, loc, keep, nope_bytes, rope_bf16, scale_bytes,
+                 PAGE_SIZE: tl.constexpr, PAGE_BYTES: tl.constexpr):
+    """Write one row in the V4 layout (nothing when keep is false): nope_bytes uint8 [8, 64]
+    (tile 7 ignored), rope_bf16 [32, 2], scale_bytes uint8 [8]."""
+    values = cache_ptr + kv_value_offset(loc, PAGE_SIZE, PAGE_BYTES)
+    offs, mask = nope_offsets()
+    tl.store(values + offs, nope_bytes, mask=mask & keep)
+    rope_ptr = (values + NOPE_DIM).to(tl.pointer_type(tl.bfloat16))
+    tl.store(rope_ptr + rope_offsets(), rope_bf16, mask=keep)
+    scales = cache_ptr + kv_scale_offset(loc, PAGE_SIZE, PAGE_BYTES)
+    tl.store(scales + tl.arange(0, SCALE_BYTES), scale_bytes, mask=keep)
