@@ -1,0 +1,51 @@
+"""Which graph implementation captures and replays: DSV4_GRAPH_BACKEND=auto|cuda|emulate.
+
+cuda = `torch.cuda.CUDAGraph` (a HIP graph on ROCm); emulate = the CPU emulation in
+`emulation.py`; auto = cuda where a GPU exists, else emulate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager
+
+import torch
+
+from .. import envs
+from . import emulation
+
+
+@dataclass(frozen=True)
+class GraphBackend:
+    name: str
+    new_graph: Callable[[], Any]
+    capture: Callable[[Any, Any], ContextManager]  # capture(graph, pool)
+    pool_handle: Callable[[], Any]
+    synchronize: Callable[[], None]
+
+
+CUDA = GraphBackend(
+    name="cuda",
+    new_graph=lambda: torch.cuda.CUDAGraph(),
+    capture=lambda g, pool: torch.cuda.graph(g, pool=pool),
+    pool_handle=lambda: torch.cuda.graph_pool_handle(),
+    synchronize=lambda: torch.cuda.synchronize(),
+)
+
+EMULATE = GraphBackend(
+    name="emulate",
+    new_graph=emulation.EmulatedGraph,
+    capture=emulation.graph,
+    pool_handle=emulation.graph_pool_handle,
+    synchronize=lambda: None,
+)
+
+
+def select_backend() -> GraphBackend:
+    choice = envs.GRAPH_BACKEND.get()
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "emulate"
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"{envs.GRAPH_BACKEND.name}=cuda needs a ROCm/CUDA GPU, but "
+                           "torch.cuda.is_available() is False; use auto or emulate")
+    return CUDA if choice == "cuda" else EMULATE
