@@ -96,7 +96,7 @@ class GraphRunner:
             raise ValueError(f"batch of {n} rows: graphs hold 1..{self.max_batch} rows")
         return next(bs for bs in self.batch_sizes if bs >= n)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def capture(self) -> None:
         """Capture the step for every batch size, largest first, into one memory pool."""
         start = time.perf_counter()
@@ -117,7 +117,7 @@ class GraphRunner:
         logger.info("captured %s graphs for batch sizes %s in %.2f s", self.backend.name,
                     self.batch_sizes, time.perf_counter() - start)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def replay(self, batch: Mapping[str, torch.Tensor]) -> Any:
         """Run the step on a live batch (name -> tensor, batch in dim 0); returns its first rows
         of the static outputs."""
