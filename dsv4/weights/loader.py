@@ -1,0 +1,210 @@
+"""``load_model``: a DeepseekV4Model from a directory of config.json + safetensors shards.
+
+Accepts the reference tensor names and the Hugging Face variant (``names.py``), FP8 block-scaled
+and FP4 (1x32) quantized weights (dequantized at load, ``quant.py``), skips MTP tensors with a
+notice, and checks every name and shape before the first tensor is read: all problems are
+reported together in one ``CheckpointError``. Tensors are read and copied one at a time, so the
+peak memory is the model plus one tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from . import quant
+from .names import is_mtp, to_reference
+
+logger = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+
+# safetensors header dtype codes of the quantized encodings.
+_FP8_CODES = ("F8_E4M3",)
+_PACKED_FP4_CODES = ("I8", "U8")  # two e2m1 codes per byte: the header shape is [n, k/2]
+_FP4_CODES = ("F4",)  # float4_e2m1fn_x2: the header shape counts elements, [n, k]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not fit the model; lists every missing, unexpected and mis-shaped
+    tensor (``.missing``, ``.unexpected``, ``.mismatched``: lists of message lines)."""
+
+    def __init__(self, path, missing: list[str], unexpected: list[str], mismatched: list[str]):
+        self.missing, self.unexpected, self.mismatched = missing, unexpected, mismatched
+        lines = [f"checkpoint {path} does not match the model: {len(missing)} missing, "
+                 f"{len(unexpected)} unexpected, {len(mismatched)} mis-shaped or malformed"]
+        lines += [f"  missing: {m}" for m in missing]
+        lines += [f"  unexpected: {u}" for u in unexpected]
+        lines += [f"  mis-shaped: {m}" for m in mismatched]
+        super().__init__("\n".join(lines))
+
+
+@dataclass(frozen=True)
+class Stored:
+    """One tensor as the checkpoint stores it (header only)."""
+    name: str
+    file: Path
+    shape: tuple[int, ...]
+    code: str  # safetensors dtype code
+
+    def describe(self) -> str:
+        return f"{self.name} {self.code}{list(self.shape)} in {self.file.name}"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to load into one model tensor: the stored tensor and its scale, if quantized."""
+    target: str
+    value: Stored
+    scale: Stored | None
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The shards: those named by the index when there is one, else every *.safetensors."""
+    index = path / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({path / f for f in weight_map.values()})
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise FileNotFoundError(f"{index} names shards that do not exist: {absent}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    return files
+
+
+def read_headers(files: list[Path]) -> dict[str, Stored]:
+    stored: dict[str, Stored] = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                s = f.get_slice(name)
+                if name in stored:
+                    raise ValueError(f"tensor {name} is stored twice: in {stored[name].file.name} "
+                                     f"and {file.name}")
+                stored[name] = Stored(name, file, tuple(s.get_shape()), s.get_dtype())
+    return stored
+
+
+def plan_load(stored: dict[str, Stored], expected: dict[str, torch.Size], n_layers: int,
+              block: tuple[int, int], path) -> tuple[list[Plan], list[str]]:
+    """Match stored tensors to the model's: (plans, skipped MTP names). Raises CheckpointError
+    naming every missing, unexpected and mis-shaped tensor."""
+    values: dict[str, Stored] = {}
+    scales: dict[str, Stored] = {}
+    mtp: list[str] = []
+    unexpected: list[str] = []
+    mismatched: list[str] = []
+    for name, s in stored.items():
+        ref, is_scale = to_reference(name)
+        if ref not in expected and is_mtp(ref, n_layers):
+            mtp.append(name)
+            continue
+        table = scales if is_scale else values
+        if ref in table:
+            mismatched.append(f"{ref}: stored twice, as {table[ref].name} and {name}")
+            continue
+        table[ref] = s
+
+    missing = [f"{t} (expected shape {list(shape)})" for t, shape in expected.items()
+               if t not in values]
+    unexpected += [f"{s.describe()}" for t, s in values.items() if t not in expected]
+    unexpected += [f"{s.describe()} (a scale with no weight {t})" for t, s in scales.items()
+                   if t not in values]
+    plans = []
+    for target, value in values.items():
+        if target not in expected:
+            continue
+        scale = scales.get(target)
+        problem = _check(target, value, scale, tuple(expected[target]), block)
+        if problem:
+            mismatched.append(problem)
+        else:
+            plans.append(Plan(target, value, scale))
+    if missing or unexpected or mismatched:
+        raise CheckpointError(path, missing, unexpected, mismatched)
+    return plans, mtp
+
+
+def _check(target: str, value: Stored, scale: Stored | None, want: tuple[int, ...],
+           block: tuple[int, int]) -> str | None:
+    """Why the stored tensor (and scale) cannot fill a model tensor of shape ``want``, or None."""
+    where = "" if value.name == target else f" (stored as {value.name})"
+    if scale is None:
+        if value.code in _FP8_CODES + _FP4_CODES:
+            return f"{target}{where}: {value.code} weight without a scale tensor"
+        shape = value.shape
+    elif value.code in _FP8_CODES:
+        shape = value.shape
+        want_scale = quant.fp8_scale_shape(shape, block) if len(shape) == 2 else None
+    elif value.code in _PACKED_FP4_CODES + _FP4_CODES:
+        shape = value.shape if value.code in _FP4_CODES else quant.fp4_logical_shape(value.shape)
+        want_scale = quant.fp4_scale_shape(shape)
+    else:
+        return f"{target}{where}: has a scale but dtype {value.code} is not FP8 or packed FP4"
+    if shape != want:
+        return f"{target}{where}: expected shape {list(want)}, got {list(shape)}"
+    if scale is not None and scale.shape != want_scale:
+        return (f"{target}: scale {scale.name} expected shape "
+                f"{list(want_scale) if want_scale else 'a 2-D weight'}, got {list(scale.shape)}")
+    return None
+
+
+def read_tensor(plan: Plan, handles: dict[Path, object], block: tuple[int, int]) -> torch.Tensor:
+    """The stored value of one model tensor, dequantized to float32 when it is quantized."""
+    value = handles[plan.value.file].get_tensor(plan.value.name)
+    if plan.scale is None:
+        return value
+    scale = handles[plan.scale.file].get_tensor(plan.scale.name)
+    if plan.value.code in _FP8_CODES:
+        return quant.dequant_fp8(value, scale, block)
+    return quant.dequant_fp4(value, scale)
+
+
+def fp8_block_size(raw_config: dict) -> tuple[int, int]:
+    qc = raw_config.get("quantization_config") or {}
+    block = qc.get("weight_block_size", quant.DEFAULT_FP8_BLOCK)
+    return int(block[0]), int(block[1])
+
+
+def load_model(path, device="cpu", dtype: torch.dtype = torch.bfloat16):
+    """Build a DeepseekV4Model from ``path`` (config.json + safetensors) on ``device``.
+
+    ``dtype`` is the model's compute dtype for its large weights; parameters the model keeps in
+    float32 (norms, mHC, compressor, sinks, head) stay float32. Quantized weights are dequantized
+    exactly (value times power-of-two scale) and rounded once to the parameter's dtype.
+    """
+    from ..config import ModelConfig
+    from ..model import DeepseekV4Model
+
+    path = Path(path)
+    raw_config = json.loads((path / "config.json").read_text())
+    config = ModelConfig.from_dict(raw_config)
+    block = fp8_block_size(raw_config)
+    files = checkpoint_files(path)
+    stored = read_headers(files)
+
+    model = DeepseekV4Model(config, dtype=dtype, device=device)
+    targets = model.state_dict()
+    plans, mtp = plan_load(stored, {k: v.shape for k, v in targets.items()}, config.n_layers,
+                           block, path)
+    if mtp:
+        logger.info("skipping %d MTP tensors (this model has no MTP layers), e.g. %s",
+                    len(mtp), mtp[0])
+
+    with contextlib.ExitStack() as stack, torch.no_grad():
+        handles = {f: stack.enter_context(safe_open(f, framework="pt")) for f in files}
+        for plan in plans:
+            targets[plan.target].copy_(read_tensor(plan, handles, block))
+    n_quant = sum(p.scale is not None for p in plans)
+    logger.info("loaded %d tensors (%d dequantized) from %d file(s) in %s",
+                len(plans), n_quant, len(files), path)
+    return model
