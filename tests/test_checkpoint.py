@@ -247,12 +247,14 @@ def test_mtp_tensors_are_skipped_with_a_notice(cfg, ref_state, tmp_path, caplog)
     tensors["mtp.0.e_proj.weight"] = torch.zeros(cfg.dim, cfg.dim)
     tensors["mtp.0.attn.wq_a.weight"] = torch.zeros(cfg.q_lora_rank, cfg.dim)
     tensors["mtp.0.attn.wq_a.scale"] = torch.zeros(1, 1)
+    # DeepSeek-V3-style Hugging Face checkpoints put the MTP layer after the last layer.
+    tensors[f"model.layers.{cfg.n_layers}.self_attn.q_a_proj.weight"] = torch.zeros(1)
     rewrite(path, tensors)
     with caplog.at_level(logging.INFO, logger="dsv4.weights.loader"):
         model = load_model(path)
     assert_same_state(model, ref_state)
     notes = [r.getMessage() for r in caplog.records if "MTP" in r.getMessage()]
-    assert len(notes) == 1 and "skipping 3 MTP tensors" in notes[0]
+    assert len(notes) == 1 and "skipping 4 MTP tensors" in notes[0]
 
 
 def test_lazy_exports_keep_import_cheap():
