@@ -186,6 +186,7 @@ def test_host_sync_inside_capture_raises_naming_the_op(name):
     assert x_i.tolist() == [0, 3, 0, 5]
     with pytest.raises(RuntimeError, match="not been captured"):
         g.replay()
+    assert g.pool().graphs == 0
 
 
 def test_data_independent_variants_are_allowed():

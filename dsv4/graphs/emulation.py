@@ -249,6 +249,14 @@ class EmulatedGraph:
         set_emulated_capture(True)
 
     def capture_end(self) -> None:
+        self._ops = self._stop_recording()
+        self._pool.graphs += 1
+        self._pool.static_bytes += sum(t.untyped_storage().nbytes()
+                                       for op in self._ops for t in op.static_outputs)
+        logger.debug("emulated graph captured: %d ops, %d re-run at replay",
+                     len(self._ops), sum(op.rerun for op in self._ops))
+
+    def _stop_recording(self) -> tuple[RecordedOp, ...]:
         global _active_graph
         if _active_graph is not self:
             raise RuntimeError("capture_end() without capture_begin() on this graph")
@@ -256,13 +264,8 @@ class EmulatedGraph:
         self._capture = None
         _active_graph = None
         set_emulated_capture(False)
-        self._ops = tuple(self._recording)
-        self._recording = []
-        self._pool.graphs += 1
-        self._pool.static_bytes += sum(t.untyped_storage().nbytes()
-                                       for op in self._ops for t in op.static_outputs)
-        logger.debug("emulated graph captured: %d ops, %d re-run at replay",
-                     len(self._ops), sum(op.rerun for op in self._ops))
+        ops, self._recording = tuple(self._recording), []
+        return ops
 
     def replay(self) -> None:
         with torch.inference_mode():
@@ -275,12 +278,11 @@ class EmulatedGraph:
 
 @contextmanager
 def graph(g: EmulatedGraph, pool: EmulatedPool | None = None) -> Iterator[EmulatedGraph]:
-    """Capture context, like `torch.cuda.graph(g, pool=pool)`. On error the graph is left empty."""
+    """Capture context, like `torch.cuda.graph(g, pool=pool)`. On error the graph stays empty."""
     g.capture_begin(pool=pool)
     try:
         yield g
     except BaseException:
-        g.capture_end()
-        g.reset()
+        g._stop_recording()
         raise
     g.capture_end()
