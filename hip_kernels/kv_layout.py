@@ -110,14 +110,26 @@ def _byte_index(offsets: torch.Tensor, width: int) -> torch.Tensor:
     return offsets.unsqueeze(1) + torch.arange(width, device=offsets.device, dtype=torch.int64)
 
 
+def scatter_bytes(flat: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor,
+                  keep: torch.Tensor) -> None:
+    """flat[idx[i]] = rows[i] for rows where keep[i], with shapes that never depend on the data
+    (so it can be graph-captured): skipped rows target byte 0 and add a zero delta, and the
+    write is an accumulate of (new - old) mod 256, which duplicates of a skipped row cannot
+    disturb."""
+    keep = keep.unsqueeze(1)
+    idx = torch.where(keep, idx, torch.zeros_like(idx))
+    delta = torch.where(keep, rows - flat[idx], torch.zeros_like(rows))
+    flat.index_put_((idx.flatten(),), delta.flatten(), accumulate=True)
+
+
 def write_kv_bytes(cache: torch.Tensor, loc: torch.Tensor, page_size: int,
                    values: torch.Tensor, scale_bytes: torch.Tensor) -> None:
     """Scatter packed rows into the cache at loc; rows with loc < 0 are skipped."""
     keep = loc >= 0
-    loc, values, scale_bytes = loc[keep], values[keep], scale_bytes[keep]
+    safe = loc.clamp_min(0)
     flat = cache.view(-1)
-    flat[_byte_index(value_offset(loc, page_size), VALUE_BYTES).flatten()] = values.flatten()
-    flat[_byte_index(scale_offset(loc, page_size), SCALE_BYTES).flatten()] = scale_bytes.flatten()
+    scatter_bytes(flat, _byte_index(value_offset(safe, page_size), VALUE_BYTES), values, keep)
+    scatter_bytes(flat, _byte_index(scale_offset(safe, page_size), SCALE_BYTES), scale_bytes, keep)
 
 
 def read_kv_bytes(cache: torch.Tensor, loc: torch.Tensor, page_size: int):
@@ -152,14 +164,16 @@ def quantize_indexer_rows(k: torch.Tensor, dialect: Fp8Dialect | None = None):
 
 def write_indexer_bytes(cache: torch.Tensor, loc: torch.Tensor, page_size: int,
                         q: torch.Tensor, scale: torch.Tensor) -> None:
+    """Scatter quantized indexer rows into the 132-byte layout; rows with loc < 0 are skipped."""
     keep = loc >= 0
-    loc, q, scale = loc[keep].to(torch.int64), q[keep], scale[keep]
-    base = (loc // page_size) * indexer_page_bytes(page_size)
-    t = loc % page_size
+    safe = loc.clamp_min(0).to(torch.int64)
+    base = (safe // page_size) * indexer_page_bytes(page_size)
+    t = safe % page_size
     flat = cache.view(-1)
-    flat[_byte_index(base + t * INDEX_DIM, INDEX_DIM).flatten()] = q.contiguous().view(torch.uint8).flatten()
-    flat[_byte_index(base + page_size * INDEX_DIM + t * 4, 4).flatten()] = (
-        scale.to(torch.float32).contiguous().view(torch.uint8).flatten())
+    scatter_bytes(flat, _byte_index(base + t * INDEX_DIM, INDEX_DIM),
+                  q.contiguous().view(torch.uint8), keep)
+    scatter_bytes(flat, _byte_index(base + page_size * INDEX_DIM + t * 4, 4),
+                  scale.to(torch.float32).contiguous().view(torch.uint8).view(-1, 4), keep)
 
 
 def read_indexer_rows(cache: torch.Tensor, loc: torch.Tensor, page_size: int,
