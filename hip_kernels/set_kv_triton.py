@@ -45,7 +45,8 @@ def _norm_rope_q_head(q_head, eps, freq_row, freq_stride_pair):
 
 @triton.jit
 def norm_rope_store_kernel(kv_ptr, kv_stride, weight_ptr, eps, freq_ptr, freq_stride_pos,
-                           freq_stride_pair, pos_ptr, loc_ptr, full_to_swa_ptr, swa_out_ptr,
+                           freq_stride_pair, pos_ptr, pos_stride, loc_ptr, loc_stride,
+                           full_to_swa_ptr, map_stride, swa_out_ptr, swa_out_stride,
                            cache_ptr, q_ptr, q_stride_row, q_stride_head,
                            PAGE_SIZE: tl.constexpr, PAGE_BYTES: tl.constexpr,
                            FP8: tl.constexpr, FP8_MAX: tl.constexpr, TRANSLATE: tl.constexpr,
@@ -55,14 +56,14 @@ def norm_rope_store_kernel(kv_ptr, kv_stride, weight_ptr, eps, freq_ptr, freq_st
     full-pool locations mapped through full_to_swa (negative or unmapped 0 = skip)."""
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    pos = tl.load(pos_ptr + row).to(tl.int64)
+    pos = tl.load(pos_ptr + row * pos_stride).to(tl.int64)
     freq_row = freq_ptr + pos * freq_stride_pos
     if head == 0:
-        loc = tl.load(loc_ptr + row).to(tl.int64)
+        loc = tl.load(loc_ptr + row * loc_stride).to(tl.int64)
         if TRANSLATE:
-            loc = tl.load(full_to_swa_ptr + loc, mask=loc >= 0, other=-1).to(tl.int32)
+            loc = tl.load(full_to_swa_ptr + loc * map_stride, mask=loc >= 0, other=-1).to(tl.int32)
             if HAS_SWA_OUT:
-                tl.store(swa_out_ptr + row, loc)
+                tl.store(swa_out_ptr + row * swa_out_stride, loc)
             keep = loc > 0
         else:
             keep = loc >= 0
@@ -79,16 +80,19 @@ def _launch_norm_rope(kv, weight, eps, freqs_cis, positions, loc, full_to_swa, s
     n = kv.shape[0]
     if n == 0:
         return
+    translate, has_swa_out = full_to_swa is not None, swa_loc_out is not None
     freqs = torch.view_as_real(freqs_cis)
     heads = 0 if q is None else q.shape[1]
+    full_to_swa = loc if full_to_swa is None else full_to_swa      # placeholders when absent
+    swa_loc_out = loc if swa_loc_out is None else swa_loc_out
     norm_rope_store_kernel[(n, 1 + heads)](
         kv, kv.stride(0), weight, float(eps), freqs, freqs.stride(0), freqs.stride(1), positions,
-        loc, loc if full_to_swa is None else full_to_swa, loc if swa_loc_out is None else swa_loc_out,
-        cache, kv if q is None else q, 0 if q is None else q.stride(0),
+        positions.stride(0), loc, loc.stride(0), full_to_swa, full_to_swa.stride(0), swa_loc_out,
+        swa_loc_out.stride(0), cache, kv if q is None else q, 0 if q is None else q.stride(0),
         0 if q is None else q.stride(1),
         PAGE_SIZE=page_size, PAGE_BYTES=L.page_bytes(page_size), FP8=fp8_type(dialect),
-        FP8_MAX=dialect.max, TRANSLATE=full_to_swa is not None,
-        HAS_SWA_OUT=swa_loc_out is not None, HAS_Q=q is not None, **LAUNCH_OPTIONS)
+        FP8_MAX=dialect.max, TRANSLATE=translate,
+        HAS_SWA_OUT=has_swa_out, HAS_Q=q is not None, **LAUNCH_OPTIONS)
 
 
 def fused_k_norm_rope_store(kv, weight, eps, freqs_cis, positions, out_loc, cache, page_size,
@@ -104,11 +108,11 @@ def fused_translate_norm_rope_store(kv, weight, eps, freqs_cis, positions, full_
 
 
 @triton.jit
-def store_cache_kernel(rows_ptr, row_stride, loc_ptr, cache_ptr, PAGE_SIZE: tl.constexpr,
+def store_cache_kernel(rows_ptr, row_stride, loc_ptr, loc_stride, cache_ptr, PAGE_SIZE: tl.constexpr,
                        PAGE_BYTES: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr):
     """Quantize and store one already normalized and rotated bf16 row per program."""
     row = tl.program_id(0).to(tl.int64)
-    loc = tl.load(loc_ptr + row).to(tl.int64)
+    loc = tl.load(loc_ptr + row * loc_stride).to(tl.int64)
     row_ptr = rows_ptr + row * row_stride
     nope_bytes, scale_bytes = quantize_tiles(load_nope(row_ptr).to(tl.float32), FP8, FP8_MAX)
     store_kv_row(cache_ptr, loc, loc >= 0, nope_bytes, load_rope(row_ptr + NOPE_DIM), scale_bytes,
@@ -119,17 +123,18 @@ def fused_store_cache(rows, cache, out_loc, page_size, dialect) -> None:
     if rows.shape[0] == 0:
         return
     store_cache_kernel[(rows.shape[0],)](
-        rows, rows.stride(0), out_loc, cache, PAGE_SIZE=page_size,
+        rows, rows.stride(0), out_loc, out_loc.stride(0), cache, PAGE_SIZE=page_size,
         PAGE_BYTES=L.page_bytes(page_size), FP8=fp8_type(dialect), FP8_MAX=dialect.max,
         **LAUNCH_OPTIONS)
 
 
 @triton.jit
 def store_pack_kernel(nope_ptr, nope_stride, rope_ptr, rope_stride, scales_ptr, scales_stride,
-                      loc_ptr, cache_ptr, PAGE_SIZE: tl.constexpr, PAGE_BYTES: tl.constexpr):
+                      loc_ptr, loc_stride, cache_ptr, PAGE_SIZE: tl.constexpr,
+                      PAGE_BYTES: tl.constexpr):
     """Copy one pre-quantized row (fp8 bytes, bf16 rope, 7 ue8m0 bytes) per program."""
     row = tl.program_id(0).to(tl.int64)
-    loc = tl.load(loc_ptr + row).to(tl.int64)
+    loc = tl.load(loc_ptr + row * loc_stride).to(tl.int64)
     nope = load_nope(nope_ptr + row * nope_stride)
     rope = load_rope(rope_ptr + row * rope_stride)
     tile = tl.arange(0, SCALE_BYTES)
@@ -142,17 +147,17 @@ def store_kv_pack(nope_fp8, rope_bf16, scales, cache, out_loc, page_size) -> Non
         return
     store_pack_kernel[(nope_fp8.shape[0],)](
         nope_fp8.view(torch.uint8), nope_fp8.stride(0), rope_bf16, rope_bf16.stride(0), scales,
-        scales.stride(0), out_loc, cache, PAGE_SIZE=page_size,
+        scales.stride(0), out_loc, out_loc.stride(0), cache, PAGE_SIZE=page_size,
         PAGE_BYTES=L.page_bytes(page_size), **LAUNCH_OPTIONS)
 
 
 @triton.jit
-def indexer_store_kernel(k_ptr, k_stride, loc_ptr, cache_ptr, PAGE_SIZE: tl.constexpr,
+def indexer_store_kernel(k_ptr, k_stride, loc_ptr, loc_stride, cache_ptr, PAGE_SIZE: tl.constexpr,
                          FP8: tl.constexpr, FP8_MAX: tl.constexpr):
     """One indexer key [128] per program: fp32 scale max(amax, 1e-4) / FP8_MAX, values k / scale
     cast to fp8, in the 132-byte layout."""
     row = tl.program_id(0).to(tl.int64)
-    loc = tl.load(loc_ptr + row).to(tl.int64)
+    loc = tl.load(loc_ptr + row * loc_stride).to(tl.int64)
     dims = tl.arange(0, INDEX_DIM)
     k = tl.load(k_ptr + row * k_stride + dims).to(tl.float32)
     scale = tl.div_rn(tl.maximum(tl.max(tl.abs(k)), AMAX_FLOOR), tl.full([], FP8_MAX, tl.float32))
@@ -168,5 +173,5 @@ def indexer_store(k, cache, out_loc, page_size, dialect) -> None:
     if k.shape[0] == 0:
         return
     indexer_store_kernel[(k.shape[0],)](
-        k, k.stride(0), out_loc, cache, PAGE_SIZE=page_size, FP8=fp8_type(dialect),
+        k, k.stride(0), out_loc, out_loc.stride(0), cache, PAGE_SIZE=page_size, FP8=fp8_type(dialect),
         FP8_MAX=dialect.max, **LAUNCH_OPTIONS)

@@ -1,0 +1,212 @@
+"""Triton set-KV kernels vs the torch reference, byte-exact over whole caches, both fp8 dialects.
+
+Both backends run through the public `hip_kernels` ops (DSV4_KERNEL_BACKEND=torch|triton) on
+copies of the same inputs. Caches start filled with a sentinel, and besides matching the reference
+byte for byte, every byte outside the rows that should be written must still be the sentinel.
+On a CPU the kernels run under Triton's interpreter with the conversion shim.
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import hip_kernels  # noqa: E402
+from hip_kernels import kv_layout as L  # noqa: E402
+from hip_kernels.platform import default_device  # noqa: E402
+from kv_inputs import (SENTINEL, bf16_rows, clone_args, gen, indexer_cache, kv_cache,  # noqa: E402
+                       locations, norm_rope_args, same_bytes, strided)
+from triton_interp_shim import interpreter_shim  # noqa: E402,F401 (autouse fixture)
+
+DEV = default_device()
+DIALECTS = ("fnuz", "ocp")
+
+
+def run_backends(flag_env, dialect, op, args):
+    """{backend: the op's arguments after running it} for the torch and triton backends."""
+    results = {}
+    for backend in ("torch", "triton"):
+        flag_env(DSV4_KERNEL_BACKEND=backend, DSV4_FP8_DIALECT=dialect)
+        a = clone_args(args)
+        a = {k: v.to(DEV) if isinstance(v, torch.Tensor) else v for k, v in a.items()}
+        getattr(hip_kernels, op)(**a)
+        results[backend] = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in a.items()}
+    return results
+
+
+def assert_same(results, *names):
+    for name in names:
+        t, r = results["triton"][name], results["torch"][name]
+        if not same_bytes(t, r):
+            diff = (t.view(torch.uint8) != r.view(torch.uint8)).nonzero()
+            pytest.fail(f"{name}: {len(diff)} bytes differ, first at {diff[0].tolist()}")
+
+
+def assert_only_rows_written(cache, loc, page_size, row_regions):
+    """Every byte outside the regions of rows with loc >= 0 is still the sentinel."""
+    outside = torch.ones(cache.numel(), dtype=torch.bool)
+    for offsets, width in row_regions(loc[loc >= 0].long(), page_size):
+        outside[(offsets[:, None] + torch.arange(width)).flatten()] = False
+    flat = cache.view(-1)
+    assert bool((flat[outside] == SENTINEL).all()), "bytes outside the written rows changed"
+
+
+def kv_regions(loc, page_size):
+    return [(L.value_offset(loc, page_size), L.VALUE_BYTES),
+            (L.scale_offset(loc, page_size), L.SCALE_BYTES)]
+
+
+def indexer_regions(loc, page_size):
+    base = (loc // page_size) * L.indexer_page_bytes(page_size)
+    t = loc % page_size
+    return [(base + t * L.INDEX_DIM, L.INDEX_DIM), (base + page_size * L.INDEX_DIM + t * 4, 4)]
+
+
+def pages_for(n, page_size):
+    return max(2, -(-2 * n // page_size)) + 1
+
+
+# (page_size, N, q heads, location dtype, weight dtype, stride of positions/out_loc):
+# grids of at most 64 programs
+NORM_ROPE_CASES = [
+    (1, 1, 0, torch.int32, torch.bfloat16, 1),
+    (2, 5, 3, torch.int64, torch.float32, 2),
+    (64, 17, 2, torch.int32, torch.bfloat16, 1),
+    (128, 33, 0, torch.int64, torch.float16, 3),
+    (256, 64, 0, torch.int32, torch.bfloat16, 1),
+]
+
+
+def case_id(case):
+    p, n, h, loc, w, stride = case
+    return f"P{p}-N{n}-H{h}-{str(loc)[6:]}-w{str(w)[6:]}-s{stride}"
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+@pytest.mark.parametrize("case", NORM_ROPE_CASES, ids=case_id)
+def test_fused_k_norm_rope_store(flag_env, dialect, case):
+    page_size, n, heads, loc_dtype, weight_dtype, index_stride = case
+    args = norm_rope_args(n * 7 + page_size, n, page_size, pages_for(n, page_size), heads,
+                          loc_dtype, weight_dtype, index_stride)
+    res = run_backends(flag_env, dialect, "fused_k_norm_rope_store", args)
+    assert_same(res, "cache", *(("q",) if heads else ()))
+    assert_only_rows_written(res["triton"]["cache"], args["out_loc"], page_size, kv_regions)
+    assert same_bytes(res["triton"]["kv"], args["kv"]), "kv was modified"
+
+
+def translate_args(seed, n, page_size, map_dtype, with_out, index_stride):
+    """full_loc into a full->SWA map with unmapped (0) entries and skipped (-1) rows; mapped rows
+    target distinct SWA slots. Index tensors have element stride index_stride."""
+    pages = pages_for(n, page_size)
+    g = gen(seed)
+    full_size = 3 * n + 5
+    full_to_swa = torch.zeros(full_size, dtype=map_dtype)
+    mapped = torch.randperm(full_size, generator=g)[: full_size // 2]
+    full_to_swa[mapped] = (1 + torch.randperm(pages * page_size - 1, generator=g)[: len(mapped)]
+                           ).to(map_dtype)
+    args = norm_rope_args(seed, n, page_size, pages, index_stride=index_stride)
+    del args["out_loc"]
+    args["full_loc"] = strided(locations(g, n, full_size, torch.int64 if n % 2 else torch.int32,
+                                         skip_every=3), index_stride)
+    args["full_to_swa"] = strided(full_to_swa, index_stride)
+    if with_out:
+        args["swa_loc_out"] = strided(torch.full((n,), 12345, dtype=torch.int32), index_stride)
+    return args
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+@pytest.mark.parametrize("page_size,n,map_dtype,with_out,index_stride", [
+    (64, 16, torch.int32, True, 1), (2, 9, torch.int64, False, 1), (1, 4, torch.int32, True, 2)])
+def test_fused_translate_norm_rope_store(flag_env, dialect, page_size, n, map_dtype, with_out,
+                                         index_stride):
+    args = translate_args(n + page_size, n, page_size, map_dtype, with_out, index_stride)
+    res = run_backends(flag_env, dialect, "fused_translate_norm_rope_store", args)
+    assert_same(res, "cache", *(("swa_loc_out",) if with_out else ()))
+    full = args["full_loc"].long()
+    swa = torch.where(full >= 0, args["full_to_swa"][full.clamp_min(0)].long(), -1)
+    assert (swa == 0).any() and (full < 0).any(), "the case must contain unmapped and skipped rows"
+    written = torch.where(swa > 0, swa, -1)
+    assert_only_rows_written(res["triton"]["cache"], written, page_size, kv_regions)
+    if with_out:
+        assert torch.equal(res["triton"]["swa_loc_out"], swa.to(torch.int32))
+
+
+def fp8_tie_rows(n, g):
+    """bf16 rows whose first tile is scaled to exactly 1 and holds values halfway between fp8
+    neighbours (1 + 2^-4 sits between 1 and 1.125 in e4m3): round-to-nearest-even decides."""
+    rows = bf16_rows(g, n, L.HEAD_DIM)
+    k = torch.arange(32, dtype=torch.float32)
+    ties = (1 + (2 * (k % 8) + 1) / 16) * 2.0 ** (k // 8 - 3)     # 1.0625, 1.1875, ... in 4 binades
+    tile = torch.cat([ties, -ties]).to(torch.bfloat16)
+    rows[:, :64] = tile
+    rows[:, 0] = 240                                               # amax 240: scale 1 (fnuz)
+    return rows
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+@pytest.mark.parametrize("page_size,n", [(1, 3), (2, 8), (64, 24), (128, 40), (256, 64)])
+def test_fused_store_cache(flag_env, dialect, page_size, n):
+    g = gen(page_size + n)
+    args = dict(rows=fp8_tie_rows(n, g), cache=kv_cache(pages_for(n, page_size), page_size),
+                out_loc=locations(g, n, pages_for(n, page_size) * page_size,
+                                  torch.int32 if n % 2 else torch.int64),
+                page_size=page_size)
+    res = run_backends(flag_env, dialect, "fused_store_cache", args)
+    assert_same(res, "cache")
+    assert_only_rows_written(res["triton"]["cache"], args["out_loc"], page_size, kv_regions)
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+@pytest.mark.parametrize("page_size,n", [(1, 3), (64, 12), (256, 33)])
+def test_store_kv_pack(flag_env, dialect, page_size, n):
+    flag_env(DSV4_FP8_DIALECT=dialect)
+    g = gen(n)
+    nope, rope, scales = L.quantize_kv_rows(bf16_rows(g, n, L.HEAD_DIM), hip_kernels.fp8_dialect())
+    pages = pages_for(n, page_size)
+    wide_nope = torch.zeros(n, L.NOPE_DIM + 64, dtype=torch.uint8)
+    wide_nope[:, 16:16 + L.NOPE_DIM] = nope.view(torch.uint8)
+    args = dict(nope_fp8=wide_nope[:, 16:16 + L.NOPE_DIM].view(nope.dtype), rope_bf16=rope,
+                scales=scales, cache=kv_cache(pages, page_size),
+                out_loc=locations(g, n, pages * page_size), page_size=page_size)
+    res = run_backends(flag_env, dialect, "store_kv_pack", args)
+    assert_same(res, "cache")
+    assert_only_rows_written(res["triton"]["cache"], args["out_loc"], page_size, kv_regions)
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+@pytest.mark.parametrize("page_size,n,dtype", [
+    (1, 3, torch.float32), (64, 20, torch.bfloat16), (256, 7, torch.float16)])
+def test_indexer_store(flag_env, dialect, page_size, n, dtype):
+    g = gen(n)
+    pages = pages_for(n, page_size)
+    args = dict(k=bf16_rows(g, n, L.INDEX_DIM, pad=32).to(dtype), cache=indexer_cache(pages, page_size),
+                out_loc=locations(g, n, pages * page_size, torch.int32), page_size=page_size)
+    res = run_backends(flag_env, dialect, "indexer_store", args)
+    assert_same(res, "cache")
+    assert_only_rows_written(res["triton"]["cache"], args["out_loc"], page_size, indexer_regions)
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_all_rows_skipped_write_nothing(flag_env, dialect):
+    flag_env(DSV4_KERNEL_BACKEND="triton", DSV4_FP8_DIALECT=dialect)
+    args = norm_rope_args(3, 6, 64, 2, heads=1)
+    args["out_loc"][:] = -1
+    a = clone_args(args)
+    hip_kernels.fused_k_norm_rope_store(**a)
+    assert bool((a["cache"] == SENTINEL).all())
+    assert not same_bytes(a["q"], args["q"]), "q is normalized even for skipped rows"
+    rows = bf16_rows(gen(1), 6, L.HEAD_DIM)
+    cache = kv_cache(2, 64)
+    hip_kernels.fused_store_cache(rows, cache, torch.full((6,), -1), 64)
+    icache = indexer_cache(2, 64)
+    hip_kernels.indexer_store(rows[:, :L.INDEX_DIM].contiguous(), icache, torch.full((6,), -1), 64)
+    assert bool((cache == SENTINEL).all()) and bool((icache == SENTINEL).all())
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_empty_batch(flag_env, dialect):
+    args = norm_rope_args(0, 1, 1, 2, heads=1)
+    args = {k: v[:0] if isinstance(v, torch.Tensor) and k not in ("cache", "weight", "freqs_cis")
+            else v for k, v in args.items()}
+    res = run_backends(flag_env, dialect, "fused_k_norm_rope_store", args)
+    assert bool((res["triton"]["cache"] == SENTINEL).all())
