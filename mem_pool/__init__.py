@@ -4,7 +4,21 @@ slot mapping and its identity-keyed per-step translation cache, host copies."""
 import logging
 
 from . import envs
+from .disagg import PreallocBudget, PreallocLens, prealloc_kv_lens, swa_tail_len
+from .dsv4_pool import DeepSeekV4TokenToKVPool, create_dsv4_kv_cache
+from .host_copy import KVHostCopy
+from .kv_cache_spec import CacheFootprint, KVCacheSpec, footprint
+from .paged_allocator import PagedAllocator
+from .swa_allocator import SWATokenToKVPoolAllocator
+from .swa_loc_cache import SwaLocCache, SwaLocStats
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
-__all__ = ["envs"]
+__all__ = [
+    "envs",
+    "PagedAllocator", "SWATokenToKVPoolAllocator",
+    "KVCacheSpec", "CacheFootprint", "footprint",
+    "DeepSeekV4TokenToKVPool", "create_dsv4_kv_cache",
+    "SwaLocCache", "SwaLocStats", "KVHostCopy",
+    "swa_tail_len", "prealloc_kv_lens", "PreallocLens", "PreallocBudget",
+]

@@ -1,0 +1,123 @@
+"""The per-step full->SWA translation cache, keyed by the identity of the location tensor.
+
+Every layer of a decode step writes its window KV at the SWA slots of the same `out_cache_loc`,
+so the translation (a gather through the mapping) is computed once and reused. An entry is
+reused only when nothing that could change the answer has changed:
+
+- the location tensor's memory and view: data_ptr (not the storage's: views at different
+  offsets differ), numel, shape, strides, dtype, device;
+- its contents: the in-place version counter (a static buffer refilled in place);
+- the mapping: the pool's generation (every allocator mutation), plus the mapping tensor's own
+  address and version counter (a second pool sharing the mapping, or a writer that bypassed the
+  allocator through torch ops);
+- whether a graph is being captured (an entry from a warm-up run must not let the capture skip
+  the gather, and a tensor from a capture is not reused eagerly).
+
+Entries hold a reference to the keyed tensor, so its memory cannot be recycled for the next
+batch while cached, and the result's version is checked so a caller that modified the returned
+tensor gets a fresh one. Tensors without a version counter (created under torch.inference_mode)
+are translated on every call: freshness cannot be proven for them. Writes that bypass torch's
+version counters (a custom kernel writing the mapping) must call `invalidate()`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from hip_kernels.capture import is_capturing
+
+from . import envs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SwaLocStats:
+    translations: int = 0   # gathers run (cache misses, cache off, direct translations)
+    hits: int = 0
+    misses: int = 0
+
+    def reset(self) -> None:
+        self.translations = self.hits = self.misses = 0
+
+
+@dataclass
+class _Entry:
+    loc: torch.Tensor        # held so its memory is not recycled while cached
+    swa_loc: torch.Tensor
+    swa_loc_version: int
+    mapping_state: tuple
+
+
+def _version(t: torch.Tensor) -> int | None:
+    return None if t.is_inference() else t._version
+
+
+class SwaLocCache:
+    """A small LRU of translations (>= 2 entries, so interleaved micro-batches do not thrash)."""
+
+    def __init__(self, stats: SwaLocStats, capacity: int = 4):
+        if capacity < 2:
+            raise ValueError(f"capacity must be >= 2 (two micro-batches interleave), got "
+                             f"{capacity}")
+        self.stats = stats
+        self.capacity = capacity
+        self.generation = 0
+        self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
+        self._warned_unversioned = False
+
+    def bump_generation(self) -> None:
+        self.generation += 1
+
+    def invalidate(self) -> None:
+        """Drop every entry (idempotent)."""
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, loc: torch.Tensor, mapping: torch.Tensor,
+            translate: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The translation of loc: cached when provably fresh, else translate(loc)."""
+        if not envs.CACHE_SWA_TRANSLATION.get():
+            self._entries.clear()
+            return translate(loc)
+        loc_version = _version(loc)
+        if loc_version is None:
+            self._warn_unversioned()
+            self.stats.misses += 1
+            return translate(loc)
+        mapping_state = (mapping.data_ptr(), mapping._version, self.generation, is_capturing())
+        key = (loc.data_ptr(), loc.numel(), tuple(loc.shape), loc.stride(), loc.dtype,
+               loc.device, loc_version) + mapping_state
+        entry = self._entries.get(key)
+        if entry is not None and entry.swa_loc._version == entry.swa_loc_version:
+            self._entries.move_to_end(key)
+            self.stats.hits += 1
+            return entry.swa_loc
+        self.stats.misses += 1
+        with torch.inference_mode(False):  # the result needs a version counter
+            swa_loc = translate(loc)
+        self._drop_stale(mapping_state)
+        self._entries[key] = _Entry(loc, swa_loc, swa_loc._version, mapping_state)
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+        return swa_loc
+
+    def _drop_stale(self, mapping_state: tuple) -> None:
+        """Entries of an older mapping state can never hit again: release their tensors."""
+        for key in [k for k, e in self._entries.items() if e.mapping_state != mapping_state]:
+            del self._entries[key]
+
+    def _warn_unversioned(self) -> None:
+        if not self._warned_unversioned:
+            self._warned_unversioned = True
+            logger.warning("SWA location cache: a location tensor created under "
+                           "torch.inference_mode has no version counter; it is translated on "
+                           "every call. Create out_cache_loc outside inference_mode (or under "
+                           "torch.no_grad) to cache its translation.")

@@ -1,0 +1,164 @@
+"""KVCacheSpec, the byte footprint (checked by hand on the Flash and Pro shapes), the pool's
+layout, layer mapping, state rings, SWA writers and their errors."""
+
+import pytest
+import torch
+from mem_pool_testlib import FLASH_RATIOS, PRO_RATIOS, small_pool
+
+import hip_kernels
+from hip_kernels import kv_layout
+from mem_pool import KVCacheSpec, footprint
+
+
+def test_spec_validation_names_the_field():
+    with pytest.raises(ValueError, match=r"compress_ratios entries must be in \(0, 4, 128\)"):
+        KVCacheSpec((0, 5))
+    with pytest.raises(ValueError, match="head_dim must be 512"):
+        KVCacheSpec((0,), head_dim=256)
+    with pytest.raises(ValueError, match="start_layer=3, end_layer=2"):
+        KVCacheSpec((0, 0, 0, 0), start_layer=3, end_layer=2)
+    spec = KVCacheSpec(FLASH_RATIOS, end_layer=43)
+    assert spec.window_size == 128 and spec.index_head_dim == 128 and len(spec.layer_ids) == 43
+
+
+# Bytes by hand (SPEC section 3): page_bytes(P) = ceil(P*584/576)*576.
+#   page_bytes(256) = 260*576 = 149760; page_bytes(64) = 65*576 = 37440; page_bytes(2) = 1728;
+#   indexer page of 64 rows = 64*132 = 8448.
+# State per request: C4 = 8 rows * (2048 + 512) floats * 4 B = 81920; C128 = 128*1024*4 = 524288.
+@pytest.mark.parametrize("ratios, layers, c4, c128", [(FLASH_RATIOS, 43, 21, 20),
+                                                      (PRO_RATIOS, 61, 30, 31)])
+def test_footprint_of_the_flash_and_pro_shapes(ratios, layers, c4, c128):
+    spec = KVCacheSpec(ratios, end_layer=layers)
+    assert (len(spec.layers_with_ratio(4)), len(spec.layers_with_ratio(128))) == (c4, c128)
+    fp = footprint(spec, 256)
+    assert fp.swa_page_bytes == layers * 149760
+    assert fp.full_page_bytes == c4 * (37440 + 8448) + c128 * 1728
+    assert fp.state_bytes_per_request == c4 * 81920 + c128 * 524288
+    expected = {43: (3899.25, 25155.0, 12206080), 61: (5586.75, 35685.0, 18710528)}[layers]
+    assert (fp.full_bytes_per_token, fp.swa_bytes_per_token,
+            fp.state_bytes_per_request) == expected
+
+
+def test_tokens_that_fit_a_byte_budget():
+    fp = footprint(KVCacheSpec(FLASH_RATIOS, end_layer=43), 256)
+    # fixed part: 5 SWA pages (4 + page 0), 9 request slots (8 + scratch), full page 0
+    fixed = 5 * 6439680 + 9 * 12206080 + 998208
+    assert fp.total_bytes(0, 1024, 8) == fixed == 143051328
+    budget = fixed + 10 * 998208 + 998207           # one byte short of an 11th page
+    assert fp.max_total_tokens_for(budget, 1024, 8) == 10 * 256
+    assert fp.total_bytes(2560, 1024, 8) <= budget < fp.total_bytes(2816, 1024, 8)
+    with pytest.raises(ValueError, match="budget_bytes=100 is below the 143051328 bytes"):
+        fp.max_total_tokens_for(100, 1024, 8)
+
+
+def test_pool_allocates_exactly_its_footprint_with_the_v4_page_layout():
+    pool, _ = small_pool((0, 4, 128, 4), full_tokens=256, swa_tokens=256, page_size=128,
+                         max_num_reqs=2)
+    assert pool.nbytes == footprint(pool.spec, 128).total_bytes(256, 256, 2)
+    assert pool.get_swa_cache(0).shape == (3, kv_layout.page_bytes(128))
+    assert pool.get_c4_cache(1).shape == (3, kv_layout.page_bytes(32))
+    assert pool.get_indexer_cache(3).shape == (3, 32 * 132)
+    assert pool.get_c128_cache(2).shape == (3, kv_layout.page_bytes(1))
+    assert pool.get_compressed_cache(1) is pool.get_c4_cache(1)
+    assert (pool.compressed_page_size(1), pool.compressed_page_size(2)) == (32, 1)
+    assert pool.get_compressor_state(1).shape == (3, 8, 2048)
+    assert pool.get_compressor_state(2).shape == (3, 128, 1024)
+    assert pool.get_indexer_compressor_state(3).shape == (3, 8, 512)
+    for state in (pool.get_compressor_state(2), pool.get_indexer_compressor_state(1)):
+        half = state.shape[-1] // 2
+        assert (state[..., :half] == 0).all() and (state[..., half:] == float("-inf")).all()
+
+
+def test_page_size_and_pool_sizes_must_fit_the_layout():
+    with pytest.raises(ValueError, match="page_size=64 must be a positive multiple of 128"):
+        small_pool((0, 128), full_tokens=256, swa_tokens=256, page_size=64)
+    with pytest.raises(ValueError, match="page_size=6 must be a positive multiple of 4"):
+        small_pool((0, 4), full_tokens=60, swa_tokens=60, page_size=6)
+    with pytest.raises(ValueError, match="max_total_tokens=100 must be a positive multiple of "
+                                         "page_size=16"):
+        small_pool((0,), full_tokens=100, swa_tokens=64, page_size=16)
+    with pytest.raises(ValueError, match="swa_tokens=8 must be a positive multiple"):
+        small_pool((0,), full_tokens=64, swa_tokens=8, page_size=16)
+    with pytest.raises(ValueError, match="max_num_reqs must be >= 1"):
+        small_pool((0,), max_num_reqs=0)
+
+
+def test_a_pipeline_stage_holds_only_its_layers_under_global_ids():
+    pool, _ = small_pool((0, 4, 128, 4, 0), page_size=128, full_tokens=128, swa_tokens=128,
+                         start_layer=1, end_layer=4)
+    assert sorted(pool.swa_caches) == [1, 2, 3]
+    with pytest.raises(ValueError, match=r"layer_id=0 is not held by this pool \(layers 1..3\)"):
+        pool.get_swa_cache(0)
+    with pytest.raises(ValueError, match="layer_id=2 has compress ratio 128: it has no C4 cache"):
+        pool.get_c4_cache(2)
+    with pytest.raises(ValueError, match="layer_id=1 has compress ratio 4: it has no C128"):
+        pool.get_c128_cache(1)
+    with pytest.raises(ValueError, match="it has no indexer cache"):
+        pool.get_indexer_cache(2)
+
+
+def test_clear_compressor_state_resets_only_those_request_slots():
+    pool, _ = small_pool((0, 4, 128), page_size=128, full_tokens=128, swa_tokens=128,
+                         max_num_reqs=3)
+    states = [pool.get_compressor_state(1), pool.get_compressor_state(2),
+              pool.get_indexer_compressor_state(1)]
+    for s in states:
+        assert s.shape[0] == 4                     # 3 request slots + the scratch row of -1
+        s.fill_(5.0)
+    pool.clear_compressor_state(torch.tensor([1, 2]))
+    for s in states:
+        half = s.shape[-1] // 2
+        assert (s[1:3, :, :half] == 0).all() and (s[1:3, :, half:] == float("-inf")).all()
+        assert (s[0] == 5.0).all() and (s[3] == 5.0).all()
+    with pytest.raises(IndexError, match="req_pool_indices holds 3; valid request slots are 0..2"):
+        pool.clear_compressor_state([3])
+    with pytest.raises(TypeError, match="req_pool_indices must have dtype"):
+        pool.clear_compressor_state([1.0])
+
+
+def _rows(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, 512, generator=g) * 3).to(torch.bfloat16)
+
+
+def test_swa_writers_store_what_the_kernels_store_at_the_translated_slots():
+    pool, al = small_pool((0, 4), full_tokens=64, swa_tokens=64, page_size=16)
+    swa_loc = pool.get_cached_swa_loc(al.alloc(16)[3:9], 0)
+    rows = _rows(6)
+    pack = kv_layout.quantize_kv_rows(rows)
+    weight = torch.rand(512) + 0.5
+    angles = torch.arange(32 * 32, dtype=torch.float32).view(32, 32) * 0.01
+    freqs = torch.polar(torch.ones_like(angles), angles)
+    positions = torch.arange(6)
+    writes = {
+        "pack": (lambda c: hip_kernels.store_kv_pack(*pack, c, swa_loc, 16),
+                 lambda: pool.set_swa_key_buffer_radix(1, swa_loc, pack)),
+        "fused": (lambda c: hip_kernels.fused_store_cache(rows, c, swa_loc, 16),
+                  lambda: pool.set_swa_key_buffer_radix_fused(1, swa_loc, rows)),
+        "norm_rope": (lambda c: hip_kernels.fused_k_norm_rope_store(
+                          rows, weight, 1e-6, freqs, positions, swa_loc, c, 16),
+                      lambda: pool.set_swa_key_buffer_radix_fused_norm_rope(
+                          1, swa_loc, rows, weight, 1e-6, freqs, positions)),
+    }
+    for name, (direct, through_pool) in writes.items():
+        pool.get_swa_cache(1).zero_()
+        expected = pool.get_swa_cache(1).clone()
+        direct(expected)
+        through_pool()
+        assert torch.equal(pool.get_swa_cache(1), expected), name
+        assert pool.get_swa_cache(1).any() and not pool.get_swa_cache(0).any(), name
+
+
+def test_bad_writes_raise_before_any_cache_byte_changes():
+    pool, al = small_pool((0,), full_tokens=64, swa_tokens=32, page_size=16)
+    rows = _rows(2)
+    cache = pool.get_swa_cache(0)
+    with pytest.raises(IndexError, match="out_loc holds location 48"):
+        pool.set_swa_key_buffer_radix_fused(0, torch.tensor([17, 48], dtype=torch.int32), rows)
+    with pytest.raises(TypeError, match="out_loc must have dtype"):
+        pool.set_swa_key_buffer_radix_fused(0, torch.tensor([17.0, 18.0]), rows)
+    with pytest.raises(TypeError, match="rows must have dtype torch.bfloat16"):
+        pool.set_swa_key_buffer_radix_fused(0, torch.tensor([17, 18]), rows.float())
+    with pytest.raises(ValueError, match="layer_id=1 is not held"):
+        pool.set_swa_key_buffer_radix_fused(1, torch.tensor([17, 18]), rows)
+    assert not cache.any()
