@@ -21,12 +21,24 @@ FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 def _check_norm_rope_args(kv, weight, freqs_cis, positions, cache, page_size):
     check_tensor("kv", kv, dtype=torch.bfloat16, shape=(None, L.HEAD_DIM), last_contiguous=True)
     dev = kv.device
-    check_tensor("weight", weight, dtypes=FLOATS, shape=(L.HEAD_DIM,), device=dev)
+    check_tensor("weight", weight, dtypes=FLOATS, shape=(L.HEAD_DIM,), device=dev,
+                 last_contiguous=True)
     check_tensor("freqs_cis", freqs_cis, dtype=torch.complex64, shape=(None, L.ROPE_DIM // 2),
                  device=dev)
     check_tensor("positions", positions, dtypes=(torch.int32, torch.int64), shape=(kv.shape[0],),
                  device=dev)
+    _check_positions(positions, freqs_cis.shape[0])
     check_cache("cache", cache, L.page_bytes(page_size), page_size, dev)
+
+
+def _check_positions(positions, max_pos):
+    """Kernels read freqs_cis[positions] unchecked, so every position must be a row of it
+    (skipped while capturing: the check needs a host sync)."""
+    if positions.numel() and not is_capturing():
+        lo, hi = torch.stack(torch.aminmax(positions)).tolist()
+        if lo < 0 or hi >= max_pos:
+            raise IndexError(f"positions holds {lo if lo < 0 else hi} but freqs_cis has {max_pos} "
+                             f"rows (valid: 0..{max_pos - 1})")
 
 
 def _check_q(q, n, dev):
