@@ -1,0 +1,131 @@
+"""Host copies: byte-exact round trips into other slots and in-page offsets; masks that disagree
+raise naming the rows, before any byte is written."""
+
+import pytest
+import torch
+from mem_pool_testlib import small_pool
+
+import hip_kernels
+from hip_kernels import kv_layout
+
+
+def fill_random(pool, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    for table in pool.all_buffers().values():
+        for t in table.values():
+            if t.dtype == torch.uint8:
+                t.copy_(torch.randint(0, 256, t.shape, generator=g, dtype=torch.uint8))
+            else:
+                t.copy_(torch.randn(t.shape, generator=g))
+
+
+def snapshot(pool):
+    return {(name, layer): t.clone() for name, table in pool.all_buffers().items()
+            for layer, t in table.items()}
+
+
+def assert_same_copy(a, b):
+    assert a.num_tokens == b.num_tokens and set(a.families) == set(b.families)
+    for family, rows in a.families.items():
+        other = b.families[family]
+        assert torch.equal(rows.mask, other.mask), family
+        assert set(rows.layers) == set(other.layers), family
+        for layer, (values, scales) in rows.layers.items():
+            assert torch.equal(values, other.layers[layer][0]), (family, layer)
+            assert torch.equal(scales, other.layers[layer][1]), (family, layer)
+    assert (a.states is None) == (b.states is None)
+    for name, layers in (a.states or {}).items():
+        for layer, state in layers.items():
+            assert torch.equal(state, b.states[name][layer]), (name, layer)
+
+
+def test_round_trip_into_other_pages_and_in_page_offsets():
+    pool, al = small_pool((0, 4, 0, 4), full_tokens=16 * 16, swa_tokens=16 * 16, page_size=16)
+    src = al.alloc_extend([0], [37], [-1], 37)
+    fill_random(pool)
+    copy = pool.get_cpu_copy(src, req_pool_idx=1)
+    assert copy.families["c4"].mask.sum() == 9 and copy.families["swa"].mask.all()
+    # the copied bytes are the layout's rows: C4 row loc // 4 of every 4th token
+    c4_rows = src[3::4] // 4
+    values, scales = kv_layout.read_kv_bytes(pool.get_c4_cache(1), c4_rows, 4)
+    assert torch.equal(copy.families["c4"].layers[1][0], values)
+    assert torch.equal(copy.families["c4"].layers[1][1], scales)
+    q, scale = copy.families["indexer"].layers[3]
+    dialect = hip_kernels.fp8_dialect()
+    dequant = q.view(dialect.torch_dtype).float() * scale.view(torch.float32)
+    expected = kv_layout.read_indexer_rows(pool.get_indexer_cache(3), c4_rows, 4, dialect)
+    assert torch.equal(dequant.nan_to_num(), expected.nan_to_num())
+    dst = al.alloc(4 * 16)[4:4 + 37]                 # other pages, in-page offset 4
+    pool.load_cpu_copy(copy, dst, req_pool_idx=2)
+    assert_same_copy(pool.get_cpu_copy(dst, req_pool_idx=2), copy)
+    assert_same_copy(pool.get_cpu_copy(src, req_pool_idx=1), copy)   # the source is untouched
+
+
+def test_round_trip_with_c128_rows_and_the_allocator_entry_points():
+    pool, al = small_pool((0, 4, 128), full_tokens=8 * 128, swa_tokens=8 * 128, page_size=128,
+                          max_num_reqs=2)
+    src = al.alloc_extend([0], [300], [-1], 300)
+    fill_random(pool, seed=1)
+    copy = al.get_cpu_copy(src, 0)
+    assert copy.families["c128"].mask.sum() == 2
+    al.free(src)
+    al.alloc(2 * 128)                                  # the request comes back elsewhere
+    dst = al.alloc_extend([0], [300], [-1], 300)
+    assert not set(dst.tolist()) & set(src.tolist())
+    al.load_cpu_copy(copy, dst, 1)
+    assert_same_copy(al.get_cpu_copy(dst, 1), copy)
+
+
+def test_only_rows_with_an_swa_slot_are_copied_and_loaded():
+    pool, al = small_pool((0, 4), full_tokens=16 * 16, swa_tokens=16 * 16, page_size=16)
+    src = al.alloc_extend_swa_tail(40, 8)              # positions 32..39 have SWA slots
+    fill_random(pool, seed=2)
+    copy = pool.get_cpu_copy(src)
+    assert copy.families["swa"].mask.tolist() == [False] * 32 + [True] * 8
+    assert copy.families["swa"].layers[0][0].shape == (8, 576)
+    dst = al.alloc_extend_swa_tail(40, 8)
+    pool.load_cpu_copy(copy, dst)
+    assert_same_copy(pool.get_cpu_copy(dst), copy)
+    full = al.alloc_extend([0], [40], [-1], 40)
+    with pytest.raises(ValueError, match=r"swa mask .* at rows \[0, 1, 2, 3, 4, 5, 6, 7\] and "
+                                         r"24 more"):
+        pool.load_cpu_copy(copy, full)
+
+
+@pytest.mark.parametrize("case", ["c4 offset", "swa evicted"])
+def test_disagreeing_masks_raise_naming_rows_before_writing(case):
+    pool, al = small_pool((0, 4), full_tokens=16 * 16, swa_tokens=16 * 16, page_size=16)
+    src = al.alloc_extend([0], [20], [-1], 20)
+    fill_random(pool, seed=3)
+    copy = pool.get_cpu_copy(src)
+    block = al.alloc(3 * 16)
+    if case == "c4 offset":
+        dst, match = block[1:21], r"c4 mask of the new indices disagrees with the copy at rows \[2,"
+    else:
+        al.free_swa(block[:16])
+        dst, match = block[:20], r"swa mask .* at rows \[0, 1, 2"
+    before = snapshot(pool)
+    with pytest.raises(ValueError, match=match):
+        pool.load_cpu_copy(copy, dst)
+    after = snapshot(pool)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_bad_loads_raise_naming_the_argument():
+    pool, al = small_pool((0, 4), full_tokens=16 * 16, swa_tokens=16 * 16, page_size=16)
+    src = al.alloc(16)
+    with_state, without_state = pool.get_cpu_copy(src, 1), pool.get_cpu_copy(src)
+    dst = al.alloc(16)
+    with pytest.raises(ValueError, match="pass req_pool_idx exactly when the copy holds"):
+        pool.load_cpu_copy(with_state, dst)
+    with pytest.raises(ValueError, match="pass req_pool_idx exactly when the copy holds"):
+        pool.load_cpu_copy(without_state, dst, 1)
+    with pytest.raises(ValueError, match="indices has 15 locations but the copy holds 16"):
+        pool.load_cpu_copy(without_state, dst[:15])
+    with pytest.raises(IndexError, match="req_pool_idx=9; valid request slots are 0..3"):
+        pool.get_cpu_copy(src, 9)
+    with pytest.raises(IndexError, match="indices holds 272"):
+        pool.get_cpu_copy(torch.tensor([272]))
+    other, _ = small_pool((0, 0), full_tokens=16 * 16, swa_tokens=16 * 16, page_size=16)
+    with pytest.raises(ValueError, match="the copy holds caches"):
+        other.load_cpu_copy(without_state, dst)
