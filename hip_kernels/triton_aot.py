@@ -1,0 +1,136 @@
+"""Ahead-of-time compile of the Triton set-KV kernels for AMD targets, without a GPU.
+
+    python -m hip_kernels.triton_aot [--arch gfx942 gfx950] [--json]
+
+prints, per kernel variant, the VGPR/SGPR counts, scratch bytes and the hardware fp8 converts
+used (`v_cvt_pk_fp8_f32` on gfx942; none means software emulation or no fp8 arithmetic). Must run in a process where the Triton interpreter is off
+(TRITON_INTERPRET unset): it compiles the real kernels, not their interpreted versions.
+Each target is compiled with its native fp8 dialect (fnuz on gfx942, OCP on gfx950), the
+launchers' options, and what the JIT specializes at run time for torch tensors: pointers and row
+strides divisible by 16 (so bf16 rows load 16 bytes per lane).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+
+from . import kv_layout as L
+from .platform import dialect_for_arch
+
+ARCHS = ("gfx942", "gfx950")
+# fp32 -> fp8 hardware converts: gfx942 (fnuz) and gfx950 (OCP, with a scale operand)
+HW_FP8_CONVERT = re.compile(r"\bv_cvt_(scalef32_)?pk_fp8_f32\b")
+
+
+def _variants(dialect):
+    """name -> (kernel, signature, constexprs) for every kernel variant the launchers use.
+
+    Signatures mirror what the JIT specializes for typical arguments: "i32:D" is an int that is
+    a multiple of 16 (row strides of 512-wide rows), index strides of contiguous 1-D tensors are
+    the constant 1, pointers are 16-byte aligned."""
+    from . import set_kv_triton as K
+    from .triton_kv_row import fp8_type
+
+    fp8 = {"FP8": fp8_type(dialect), "FP8_MAX": dialect.max}
+    swa_page = {"PAGE_SIZE": 256, "PAGE_BYTES": L.page_bytes(256)}
+    c4_page = {"PAGE_SIZE": 64, "PAGE_BYTES": L.page_bytes(64)}
+    loc = {"loc_ptr": "*i64", "cache_ptr": "*u8"}
+    norm_rope = {"kv_ptr": "*bf16", "kv_stride": "i32:D", "weight_ptr": "*bf16", "eps": "fp32",
+                 "freq_ptr": "*fp32", "freq_stride_pos": "i32:D", "freq_stride_pair": "i32",
+                 "pos_ptr": "*i64", "full_to_swa_ptr": "*i32", "swa_out_ptr": "*i32",
+                 "q_ptr": "*bf16", "q_stride_row": "i32:D", "q_stride_head": "i32:D", **loc}
+    unit = {"pos_stride": 1, "loc_stride": 1, "map_stride": 1, "swa_out_stride": 1}
+
+    def norm_rope_variant(translate, has_swa_out, has_q):
+        flags = {"TRANSLATE": translate, "HAS_SWA_OUT": has_swa_out, "HAS_Q": has_q}
+        return K.norm_rope_store_kernel, norm_rope, {**unit, **swa_page, **fp8, **flags}
+
+    return {
+        "fused_k_norm_rope_store": norm_rope_variant(False, False, False),
+        "fused_k_norm_rope_store+q": norm_rope_variant(False, False, True),
+        "fused_translate_norm_rope_store": norm_rope_variant(True, True, False),
+        "fused_store_cache": (
+            K.store_cache_kernel, {"rows_ptr": "*bf16", "row_stride": "i32:D", **loc},
+            {"loc_stride": 1, **c4_page, **fp8}),
+        "store_kv_pack": (
+            K.store_pack_kernel,
+            {"nope_ptr": "*u8", "nope_stride": "i32:D", "rope_ptr": "*bf16", "rope_stride": "i32:D",
+             "scales_ptr": "*u8", "scales_stride": "i32", **loc},
+            {"loc_stride": 1, **c4_page}),
+        "indexer_store": (
+            K.indexer_store_kernel, {"k_ptr": "*bf16", "k_stride": "i32:D", **loc},
+            {"loc_stride": 1, "PAGE_SIZE": 64, **fp8}),
+    }
+
+
+def compile_for(kernel, signature, constexprs, arch):
+    """Compile one kernel for hip:<arch>; returns the compiled kernel (`.asm["amdgcn"]`,
+    `.metadata`). signature: arg name -> Triton type, ":D" marking an int divisible by 16;
+    constexprs: the other arguments' values."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("ahead-of-time compile needs a process with TRITON_INTERPRET unset")
+    from .triton_kv_row import LAUNCH_OPTIONS
+
+    sig, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        ty = "constexpr" if name in constexprs else signature[name]
+        if ty.startswith("*") or ty.endswith(":D"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        sig[name] = ty.removesuffix(":D")
+    src = ASTSource(kernel, sig, constexprs, attrs)
+    return triton.compile(src, target=GPUTarget("hip", arch, 64), options=dict(LAUNCH_OPTIONS))
+
+
+def _metadata_int(amdgcn: str, key: str) -> int:
+    m = re.search(rf"^\s*\.{key}:\s*(\d+)", amdgcn, re.MULTILINE)
+    if m is None:
+        raise ValueError(f"amdgcn metadata has no .{key}")
+    return int(m.group(1))
+
+
+def resource_usage(amdgcn: str) -> dict:
+    """Registers, scratch and fp8 convert use read from the amdgcn text and its metadata."""
+    return {
+        "vgpr": _metadata_int(amdgcn, "vgpr_count"),
+        "sgpr": _metadata_int(amdgcn, "sgpr_count"),
+        "scratch_bytes": _metadata_int(amdgcn, "private_segment_fixed_size"),
+        "vgpr_spill": _metadata_int(amdgcn, "vgpr_spill_count"),
+        "hw_fp8_convert": sorted({m.group(0) for m in HW_FP8_CONVERT.finditer(amdgcn)}),
+    }
+
+
+def report(archs=ARCHS) -> list[dict]:
+    rows = []
+    for arch in archs:
+        dialect = dialect_for_arch(arch)
+        for name, (kernel, signature, constexprs) in _variants(dialect).items():
+            amdgcn = compile_for(kernel, signature, constexprs, arch).asm["amdgcn"]
+            rows.append({"arch": arch, "dialect": dialect.name, "kernel": name,
+                         "function": kernel.__name__, **resource_usage(amdgcn)})
+    return rows
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", nargs="+", default=list(ARCHS))
+    parser.add_argument("--json", action="store_true", help="print one JSON list")
+    args = parser.parse_args(argv)
+    rows = report(args.arch)
+    if args.json:
+        print(json.dumps(rows))
+        return
+    print(f"{'arch':7} {'fp8':5} {'kernel':34} {'vgpr':>4} {'sgpr':>4} {'scratch':>7} hw-cvt")
+    for r in rows:
+        print(f"{r['arch']:7} {r['dialect']:5} {r['kernel']:34} {r['vgpr']:4d} {r['sgpr']:4d} "
+              f"{r['scratch_bytes']:7d} {' '.join(r['hw_fp8_convert']) or '-'}")
+
+
+if __name__ == "__main__":
+    main()
