@@ -1,0 +1,119 @@
+// Bit-exact scalar numerics of the set-KV family, shared by the GPU kernels (nvcc, hipcc) and the
+// host harness of the tests (plain C++). Every function reproduces one rounding step of the torch
+// reference in hip_kernels/set_kv_ref.py; nothing here depends on the math library.
+#pragma once
+
+#include <stdint.h>
+
+#if defined(__CUDACC__) || defined(__HIPCC__)
+#define DSV4_HD __host__ __device__ __forceinline__
+#else
+#define DSV4_HD inline
+#endif
+
+#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
+#define DSV4_DEVICE_PASS 1
+#endif
+
+namespace dsv4 {
+
+DSV4_HD uint32_t float_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  return __builtin_bit_cast(uint32_t, f);
+#endif
+}
+
+DSV4_HD float bits_float(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  return __builtin_bit_cast(float, u);
+#endif
+}
+
+DSV4_HD float bf16_to_float(uint16_t b) { return bits_float(uint32_t(b) << 16); }
+
+// Round to nearest even, NaN -> 0x7FC0 (what torch's float -> bfloat16 cast does).
+DSV4_HD uint16_t float_to_bf16(float f) {
+  const uint32_t u = float_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+DSV4_HD float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
+
+// Single-rounding products and sums: the reference rounds after every operation, so an FMA
+// contraction of a*c - b*d would change RoPE results in the last bit.
+DSV4_HD float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+  return a * b;
+#endif
+}
+
+DSV4_HD float add_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+  return a + b;
+#endif
+}
+
+DSV4_HD float sub_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fsub_rn(a, b);
+#else
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+  return a - b;
+#endif
+}
+
+// Correctly rounded division and square root. HIP-Clang emits IEEE fdiv/sqrt for these unless
+// built with -fno-hip-fp32-correctly-rounded-divide-sqrt (the compile test checks the ISA).
+DSV4_HD float div_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+
+DSV4_HD float sqrt_rn(float x) {
+#if defined(__CUDA_ARCH__)
+  return __fsqrt_rn(x);
+#else
+  return __builtin_sqrtf(x);
+#endif
+}
+
+// 1 / sqrt(mean(x^2) + eps) from the exact fp64 sum of squares of a 512-wide bf16 row.
+DSV4_HD float rms_inverse(double sum_squares, int width, float eps) {
+  const float mean_square = float(sum_squares / double(width));
+  return div_rn(1.0f, sqrt_rn(add_rn(mean_square, eps)));
+}
+
+DSV4_HD float abs_f(float x) { return bits_float(float_bits(x) & 0x7fffffffu); }
+
+DSV4_HD float max_f(float a, float b) { return a > b ? a : b; }
+
+// ceil(log2(r)) of a positive normal float, read exactly from its bits.
+DSV4_HD int ceil_log2(float r) {
+  const uint32_t u = float_bits(r);
+  return int((u >> 23) & 0xffu) - 127 + ((u & 0x7fffffu) != 0u);
+}
+
+// 2^e as a float, for -126 <= e <= 127.
+DSV4_HD float exp2_int(int e) { return bits_float(uint32_t(e + 127) << 23); }
+
+}  // namespace dsv4

@@ -1,0 +1,58 @@
+// What one launch of the set-KV kernel needs, as plain data: the torch binding fills it from
+// tensors, the device code (and the host test harness) reads it. Free of torch and GPU headers.
+#pragma once
+
+#include <stdint.h>
+
+namespace dsv4 {
+
+// The V4 paged FP8 KV layout (hip_kernels/kv_layout.py).
+constexpr int kHeadDim = 512;
+constexpr int kNopeDim = 448;
+constexpr int kRopeDim = 64;
+constexpr int kTile = 64;
+constexpr int kTiles = kNopeDim / kTile;                // 7 ue8m0 scales per row
+constexpr int kValueBytes = kNopeDim + 2 * kRopeDim;    // 576
+constexpr int kScaleBytes = 8;                          // 7 scales + 1 pad byte
+constexpr int kUe8m0Bias = 127;
+constexpr float kAmaxFloor = 1e-4f;
+
+// A strided int32 or int64 vector (positions, locations, the full->SWA map).
+struct IndexArray {
+  const void* data = nullptr;
+  int64_t stride = 1;  // in elements
+  bool wide = false;   // int64 if true, else int32
+};
+
+struct SetKvParams {
+  int64_t num_rows = 0;
+  // Source rows: kv (ops 2, 6) or already normalized rows (op 3), bf16 with unit inner stride.
+  const uint16_t* src = nullptr;
+  int64_t src_row_stride = 0;
+  bool normalize = false;         // RMSNorm with weight + RoPE (ops 2, 6); false: store as is
+  const void* weight = nullptr;   // [512] bf16 or fp32
+  bool weight_bf16 = false;
+  float eps = 0.0f;
+  const float* freqs = nullptr;   // view_as_real(freqs_cis): [max_pos, 32, 2] (cos, sin)
+  int64_t freqs_row_stride = 0;   // in floats
+  IndexArray positions;
+  // Destination slots: out_loc (ops 2, 3) or full_loc translated through full_to_swa (op 6).
+  IndexArray loc;
+  IndexArray full_to_swa;         // data == nullptr: no translation
+  int32_t* swa_loc_out = nullptr;  // op 6: receives the translated slots
+  int64_t swa_loc_out_stride = 1;
+  uint8_t* cache = nullptr;
+  int64_t page_size = 1;
+  int64_t page_bytes = 0;
+  // Optional q [N, H, 512] bf16, normalized (no weight) and rotated in place (op 2).
+  uint16_t* q = nullptr;
+  int64_t q_row_stride = 0;
+  int64_t q_head_stride = 0;
+  int64_t num_heads = 0;
+};
+
+// Enqueues the kernel on `stream` (a cudaStream_t / hipStream_t). Returns nullptr, or the
+// runtime's error message if the launch failed.
+const char* launch_set_kv(const SetKvParams& params, bool fnuz, void* stream);
+
+}  // namespace dsv4
