@@ -6,6 +6,10 @@ byte for byte, every byte outside the rows that should be written must still be 
 On a CPU the kernels run under Triton's interpreter with the conversion shim.
 """
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -13,6 +17,7 @@ pytest.importorskip("triton")
 
 import hip_kernels  # noqa: E402
 from hip_kernels import kv_layout as L  # noqa: E402
+from hip_kernels.backend import resolve  # noqa: E402
 from hip_kernels.platform import default_device  # noqa: E402
 from kv_inputs import (SENTINEL, bf16_rows, clone_args, gen, indexer_cache, kv_cache,  # noqa: E402
                        locations, norm_rope_args, same_bytes, strided)
@@ -27,6 +32,7 @@ def run_backends(flag_env, dialect, op, args):
     results = {}
     for backend in ("torch", "triton"):
         flag_env(DSV4_KERNEL_BACKEND=backend, DSV4_FP8_DIALECT=dialect)
+        assert resolve(op, DEV) == backend
         a = clone_args(args)
         a = {k: v.to(DEV) if isinstance(v, torch.Tensor) else v for k, v in a.items()}
         getattr(hip_kernels, op)(**a)
@@ -210,3 +216,20 @@ def test_empty_batch(flag_env, dialect):
             else v for k, v in args.items()}
     res = run_backends(flag_env, dialect, "fused_k_norm_rope_store", args)
     assert bool((res["triton"]["cache"] == SENTINEL).all())
+
+
+@pytest.mark.skipif(DEV.type != "cpu", reason="CPU dispatch")
+def test_triton_backend_on_cpu_needs_the_interpreter(flag_env):
+    flag_env(DSV4_KERNEL_BACKEND="triton")
+    assert resolve("fused_store_cache", DEV) == "triton"      # TRITON_INTERPRET=1 in this process
+    flag_env(DSV4_KERNEL_BACKEND="auto")
+    assert resolve("fused_store_cache", DEV) == "torch"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["DSV4_KERNEL_BACKEND"] = "triton"
+    code = ("import torch, hip_kernels as hk\n"
+            "try:\n    hk.fused_store_cache(torch.zeros(1, 512, dtype=torch.bfloat16),"
+            " torch.zeros(1, 1152, dtype=torch.uint8), torch.tensor([0]), 1)\n"
+            "except Exception as e:\n    print(type(e).__name__, e)\n")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert "BackendUnavailable" in out.stdout and "TRITON_INTERPRET=1" in out.stdout, out
