@@ -1,0 +1,70 @@
+"""Cases of the three set-KV ops the HIP C++ kernel implements, as keyword arguments of the
+public ops, plus their torch-reference result. Shared by the CPU harness test and the GPU test."""
+
+from __future__ import annotations
+
+import torch
+
+from hip_kernels import kv_layout as L
+from hip_kernels import set_kv_ref as R
+from kv_inputs import bf16_rows, clone_args, gen, kv_cache, locations, norm_rope_args
+
+OPS = ("fused_k_norm_rope_store", "fused_store_cache", "fused_translate_norm_rope_store")
+
+# (n, page_size, pages, q heads, location dtype, weight dtype)
+SHAPES = [
+    (1, 1, 2, 0, torch.int32, torch.bfloat16),
+    (8, 2, 8, 2, torch.int64, torch.float32),
+    (33, 64, 2, 3, torch.int32, torch.bfloat16),
+    (64, 256, 1, 0, torch.int64, torch.bfloat16),
+]
+
+
+def make_case(op: str, seed: int, n: int, page_size: int, pages: int, heads: int, loc_dtype,
+              weight_dtype) -> dict:
+    if op == "fused_store_cache":
+        g = gen(seed)
+        return dict(rows=bf16_rows(g, n, L.HEAD_DIM, pad=64), cache=kv_cache(pages, page_size),
+                    out_loc=locations(g, n, pages * page_size, loc_dtype), page_size=page_size)
+    args = norm_rope_args(seed, n, page_size, pages, heads if op == "fused_k_norm_rope_store" else 0,
+                          loc_dtype, weight_dtype)
+    if op == "fused_k_norm_rope_store":
+        return args
+    del args["out_loc"]
+    args.update(translation(seed, n, pages * page_size, loc_dtype))
+    return args
+
+
+def translation(seed: int, n: int, swa_slots: int, loc_dtype) -> dict:
+    """full_loc / full_to_swa / swa_loc_out for n rows: full locations mapped to distinct SWA
+    slots >= 1, some negative (-1) and, for n > 2, one that is unmapped (maps to 0)."""
+    g = gen(seed + 1000)
+    swa_loc = locations(g, n, swa_slots - 1, loc_dtype)
+    swa_loc[swa_loc >= 0] += 1
+    capacity = 4 * swa_slots + 8
+    full_loc = torch.randperm(capacity, generator=g)[:len(swa_loc)].to(swa_loc.dtype)
+    full_to_swa = torch.zeros(capacity, dtype=torch.int32 if seed % 2 else torch.int64)
+    keep = swa_loc >= 0
+    full_to_swa[full_loc[keep].long()] = swa_loc[keep].to(full_to_swa.dtype)
+    full_loc[~keep] = -1
+    if len(full_loc) > 2 and keep[2]:
+        full_to_swa[full_loc[2].long()] = 0  # a row whose location is unmapped
+    return dict(full_loc=full_loc, full_to_swa=full_to_swa,
+                swa_loc_out=torch.full((len(swa_loc),), 12345, dtype=torch.int32))
+
+
+def reference(op: str, args: dict, dialect) -> dict:
+    """The op's outputs (cache, and q or swa_loc_out where present) from the torch reference,
+    computed on CPU copies."""
+    ref = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in clone_args(args).items()}
+    fn = getattr(R, op)
+    if op == "fused_k_norm_rope_store":
+        ref.setdefault("q", None)
+    elif op == "fused_translate_norm_rope_store":
+        ref.setdefault("swa_loc_out", None)
+    fn(**ref, dialect=dialect)
+    return outputs(ref)
+
+
+def outputs(args: dict) -> dict:
+    return {k: args[k] for k in ("cache", "q", "swa_loc_out") if args.get(k) is not None}
