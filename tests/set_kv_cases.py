@@ -26,8 +26,8 @@ def make_case(op: str, seed: int, n: int, page_size: int, pages: int, heads: int
         g = gen(seed)
         return dict(rows=bf16_rows(g, n, L.HEAD_DIM, pad=64), cache=kv_cache(pages, page_size),
                     out_loc=locations(g, n, pages * page_size, loc_dtype), page_size=page_size)
-    args = norm_rope_args(seed, n, page_size, pages, heads if op == "fused_k_norm_rope_store" else 0,
-                          loc_dtype, weight_dtype)
+    q_heads = heads if op == "fused_k_norm_rope_store" else 0
+    args = norm_rope_args(seed, n, page_size, pages, q_heads, loc_dtype, weight_dtype)
     if op == "fused_k_norm_rope_store":
         return args
     del args["out_loc"]
@@ -51,6 +51,38 @@ def translation(seed: int, n: int, swa_slots: int, loc_dtype) -> dict:
         full_to_swa[full_loc[2].long()] = 0  # a row whose location is unmapped
     return dict(full_loc=full_loc, full_to_swa=full_to_swa,
                 swa_loc_out=torch.full((len(swa_loc),), 12345, dtype=torch.int32))
+
+
+def every_bf16_case(dialect) -> dict:
+    """fused_store_cache arguments whose 64-wide tiles each hold FP8_MAX (so every scale is 2^0)
+    and 63 of the bf16 values in [-FP8_MAX, FP8_MAX]: every value the fp8 conversion can see,
+    -0, subnormals and ties included. Also returns the number of tiles that hold values."""
+    values = torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    values = values[values.float().abs() <= dialect.max]
+    per_tile = L.TILE - 1
+    tiles = -(-len(values) // per_tile)
+    body = torch.zeros(tiles * per_tile, dtype=torch.bfloat16)
+    body[:len(values)] = values
+    nope = torch.zeros(-(-tiles // L.N_TILES) * L.N_TILES, L.TILE, dtype=torch.bfloat16)
+    nope[:tiles] = torch.cat([torch.full((tiles, 1), dialect.max, dtype=torch.bfloat16),
+                              body.view(tiles, per_tile)], 1)
+    n = len(nope) // L.N_TILES
+    rope = torch.zeros(n, L.ROPE_DIM, dtype=torch.bfloat16)
+    rows = torch.cat([nope.view(n, L.NOPE_DIM), rope], 1)
+    return dict(rows=rows, cache=torch.zeros(n, L.page_bytes(1), dtype=torch.uint8),
+                out_loc=torch.arange(n), page_size=1), tiles
+
+
+def on_device(args: dict, device) -> dict:
+    """Copies of the tensors on device; views with a unit inner stride keep their strides."""
+    out = {}
+    for k, v in args.items():
+        if isinstance(v, torch.Tensor):
+            out[k] = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=device)
+            out[k].copy_(v)
+        else:
+            out[k] = v
+    return out
 
 
 def reference(op: str, args: dict, dialect) -> dict:

@@ -17,7 +17,7 @@ from hip_kernels import kv_layout as L
 from hip_kernels import set_kv_ref as R
 from hip_kernels.platform import FNUZ, OCP
 from kv_inputs import clone_args, same_bytes
-from set_kv_cases import OPS, SHAPES, make_case, outputs, reference
+from set_kv_cases import OPS, SHAPES, every_bf16_case, make_case, outputs, reference
 
 ROOT = Path(__file__).resolve().parent.parent
 TWO_32 = 2 ** 32
@@ -78,23 +78,7 @@ def test_bytes_match_the_reference(host_ops, op, shape, dialect, lanes):
 
 @pytest.mark.parametrize("dialect", [FNUZ, OCP], ids=str)
 def test_every_bf16_value_quantizes_like_torch(host_ops, dialect):
-    """Rows whose tiles each hold +-FP8_MAX (so the scale is 1) and 63 of the bf16 values in
-    [-FP8_MAX, FP8_MAX]: every value the fp8 conversion can see, -0, subnormals and ties."""
-    bits = torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16)
-    values = bits.view(torch.bfloat16)
-    values = values[values.float().abs() <= dialect.max]
-    per_tile = L.TILE - 1
-    tiles = -(-len(values) // per_tile)
-    body = torch.zeros(tiles * per_tile, dtype=torch.bfloat16)
-    body[:len(values)] = values
-    tile_rows = torch.cat([torch.full((tiles, 1), dialect.max, dtype=torch.bfloat16),
-                           body.view(tiles, per_tile)], 1)
-    rows = torch.zeros(-(-tiles // L.N_TILES) * L.N_TILES, L.TILE, dtype=torch.bfloat16)
-    rows[:tiles] = tile_rows
-    rows = torch.cat([rows.view(-1, L.NOPE_DIM), torch.zeros(len(rows) // L.N_TILES, L.ROPE_DIM,
-                                                             dtype=torch.bfloat16)], 1)
-    args = dict(rows=rows, cache=torch.zeros(len(rows), L.page_bytes(1), dtype=torch.uint8),
-                out_loc=torch.arange(len(rows)), page_size=1)
+    args, tiles = every_bf16_case(dialect)
     want = reference("fused_store_cache", args, dialect)
     assert_same(run_host(host_ops, "fused_store_cache", args, dialect, 64), want)
     scales = want["cache"][:, L.VALUE_BYTES:L.VALUE_BYTES + L.N_TILES].flatten()[:tiles]
