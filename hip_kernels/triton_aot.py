@@ -12,8 +12,6 @@ strides divisible by 16 (so bf16 rows load 16 bytes per lane).
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import re
 
@@ -115,22 +113,3 @@ def report(archs=ARCHS) -> list[dict]:
             rows.append({"arch": arch, "dialect": dialect.name, "kernel": name,
                          "function": kernel.__name__, **resource_usage(amdgcn)})
     return rows
-
-
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arch", nargs="+", default=list(ARCHS))
-    parser.add_argument("--json", action="store_true", help="print one JSON list")
-    args = parser.parse_args(argv)
-    rows = report(args.arch)
-    if args.json:
-        print(json.dumps(rows))
-        return
-    print(f"{'arch':7} {'fp8':5} {'kernel':34} {'vgpr':>4} {'sgpr':>4} {'scratch':>7} hw-cvt")
-    for r in rows:
-        print(f"{r['arch']:7} {r['dialect']:5} {r['kernel']:34} {r['vgpr']:4d} {r['sgpr']:4d} "
-              f"{r['scratch_bytes']:7d} {' '.join(r['hw_fp8_convert']) or '-'}")
-
-
-if __name__ == "__main__":
-    main()
