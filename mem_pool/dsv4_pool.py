@@ -17,8 +17,7 @@ from hip_kernels import (fused_k_norm_rope_store, fused_store_cache, indexer_pag
 from hip_kernels.capture import is_capturing
 
 from . import host_copy
-from .kv_cache_spec import (ATTN_STATE_WIDTH, INDEXER_STATE_WIDTH, STATE_RING, KVCacheSpec,
-                            footprint)
+from .kv_cache_spec import ATTN_STATE_WIDTH, INDEXER_STATE_WIDTH, STATE_RING, KVCacheSpec
 from .loc_checks import check_loc_tensor
 from .swa_allocator import SWATokenToKVPoolAllocator
 from .swa_loc_cache import SwaLocCache, SwaLocStats
@@ -90,9 +89,6 @@ class DeepSeekV4TokenToKVPool:
     def nbytes(self) -> int:
         return sum(t.nbytes for table in self.all_buffers().values() for t in table.values())
 
-    def footprint(self):
-        return footprint(self.spec, self.page_size)
-
     # ---- layers ---------------------------------------------------------------------------
 
     def layer_ratio(self, layer_id: int) -> int:
@@ -120,9 +116,9 @@ class DeepSeekV4TokenToKVPool:
         return self._lookup(self.c128_caches, layer_id, "C128 cache (ratio-128 layers only)")
 
     def get_compressed_cache(self, layer_id: int) -> torch.Tensor:
-        if self.layer_ratio(layer_id) == 4:
-            return self.c4_caches[layer_id]
-        return self.get_c128_cache(layer_id)
+        """The C4 or C128 cache, by the layer's compress ratio."""
+        table = {4: self.c4_caches, 128: self.c128_caches}.get(self.layer_ratio(layer_id), {})
+        return self._lookup(table, layer_id, "compressed cache")
 
     def compressed_page_size(self, layer_id: int) -> int:
         """Rows per page of the layer's compressed cache (page_size // ratio)."""
@@ -188,7 +184,8 @@ class DeepSeekV4TokenToKVPool:
         """Drop every cached translation (idempotent; a no-op before any mapping exists)."""
         self._loc_cache.invalidate()
 
-    def _mapping(self) -> torch.Tensor:
+    def registered_mapping(self) -> torch.Tensor:
+        """The full->SWA mapping; raises when no allocator registered one."""
         if self.full_to_swa_index_mapping is None:
             raise RuntimeError("no full->SWA mapping registered: create the pool with "
                                "create_dsv4_kv_cache (the allocator registers its mapping)")
@@ -206,13 +203,13 @@ class DeepSeekV4TokenToKVPool:
 
     def translate_loc_from_full_to_swa(self, loc: torch.Tensor) -> torch.Tensor:
         """int32 SWA slots of full locations (0 = no SWA slot, -1 for -1); never cached."""
-        check_loc_tensor("loc", loc, self._mapping().device)
+        check_loc_tensor("loc", loc, self.registered_mapping().device)
         return self._translate(loc)
 
     def get_cached_swa_loc(self, loc: torch.Tensor, layer_id: int | None = None) -> torch.Tensor:
         """As translate_loc_from_full_to_swa, computed once per location tensor and mapping
         state. layer_id is accepted for call-site compatibility; it never decides freshness."""
-        mapping = self._mapping()
+        mapping = self.registered_mapping()
         check_loc_tensor("loc", loc, mapping.device)
         return self._loc_cache.get(loc, mapping, self._translate)
 

@@ -90,7 +90,7 @@ def _state_tables(pool) -> dict[str, dict[int, torch.Tensor]]:
 def _check_indices(pool, name: str, indices) -> torch.Tensor:
     if is_capturing():
         raise RuntimeError("host copies synchronize with the host: not allowed during capture")
-    mapping = pool._mapping()
+    mapping = pool.registered_mapping()
     check_loc_tensor(name, indices, mapping.device)
     if indices.dim() != 1:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(indices.shape)}")

@@ -1,7 +1,8 @@
 """A paged token-slot allocator: hands out whole pages, returns token locations.
 
 Locations are `page * page_size + offset`. Page 0 is never handed out: it is the dummy target of
-padded rows (location 0). Bookkeeping lives on the host; returned locations are int64 tensors on
+padded rows (location 0). Bookkeeping lives on the host (pass host tensors or lists for lengths
+and last locations: device tensors cost a host sync); returned locations are int64 tensors on
 the allocator's device. A request's positions are page-aligned: position p sits at in-page
 offset p % page_size, so an extend continues the prefix's last page right after `last_loc`.
 """

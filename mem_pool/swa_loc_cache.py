@@ -78,9 +78,6 @@ class SwaLocCache:
         """Drop every entry (idempotent)."""
         self._entries.clear()
 
-    def __len__(self) -> int:
-        return len(self._entries)
-
     def get(self, loc: torch.Tensor, mapping: torch.Tensor,
             translate: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """The translation of loc: cached when provably fresh, else translate(loc)."""

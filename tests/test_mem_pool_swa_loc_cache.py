@@ -291,10 +291,45 @@ def test_translations_per_decode_step(flag_env, ratios, layers, cache):
     for _ in range(3):
         seq_lens = seq_lens + 1
         out_cache_loc = al.alloc_decode(seq_lens, last)
-        before = pool.swa_loc_stats.translations
+        pool.swa_loc_stats.reset()
         for layer_id in spec.layer_ids:                     # as every decoder layer does
             swa_loc = pool.get_cached_swa_loc(out_cache_loc, layer_id)
             assert torch.equal(swa_loc, expected_swa(al, out_cache_loc))
-        per_step.append(pool.swa_loc_stats.translations - before)
+        per_step.append(pool.swa_loc_stats.translations)
         last = out_cache_loc
     assert per_step == [1 if cache == "1" else layers] * 3
+
+
+
+def _graph_api(kind):
+    """(graph object, capture context, device): a CUDA graph, or the CPU emulation of one."""
+    if kind == "cuda":
+        return torch.cuda.CUDAGraph(), torch.cuda.graph, "cuda"
+    from dsv4.graphs.emulation import EmulatedGraph, graph
+    return EmulatedGraph(), graph, "cpu"
+
+
+@pytest.mark.parametrize("kind", ["emulate", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_captured_graph_records_the_gather_even_after_a_warm_up(flag_env, kind):
+    flag_env()
+    graph, capture, device = _graph_api(kind)
+    pool, al = create_dsv4_kv_cache(KVCacheSpec((0,) * 4), 16 * 16, 16 * 16, 16, device,
+                                    max_num_reqs=2)
+    static_loc = torch.zeros(8, dtype=torch.int64, device=device)
+    out = torch.zeros(4, 8, dtype=torch.int32, device=device)
+
+    def step():
+        for layer_id in range(4):
+            out[layer_id].copy_(pool.get_cached_swa_loc(static_loc, layer_id))
+
+    static_loc.copy_(al.alloc(16)[:8])
+    with torch.no_grad():
+        step()                                              # warm-up caches the translation
+        with capture(graph):                                # must not sync, must gather
+            step()
+    nxt = al.alloc(16)[8:]
+    static_loc.copy_(nxt)
+    graph.replay()
+    if kind == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(out, expected_swa(al, nxt).expand(4, 8))
