@@ -1,7 +1,5 @@
 """Compile the HIP C++ set-KV kernel (hip_kernels/csrc) without a GPU, to check that it builds
-and to read its register and scratch use.
-
-    python -m hip_kernels.hip_aot [--arch gfx942 gfx950 sm_90] [--json]
+and to read its register and scratch use (report: scripts/hip_aot_report.py).
 
 AMD targets: the sources are hipified exactly as torch.utils.cpp_extension does on ROCm, then
 compiled for the device only by clang from the `ziglang` package (pip install -e .[cpu]) with
@@ -12,11 +10,9 @@ The kernel translation unit has no torch headers; the binding is syntax-checked 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import importlib.util
 import io
-import json
 import re
 import shutil
 import subprocess
@@ -172,28 +168,15 @@ def _run(cmd) -> str:
     return proc.stdout + proc.stderr
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--arch", nargs="+", default=[*AMD_ARCHS, "sm_90"])
-    ap.add_argument("--json", action="store_true", help="print one JSON object")
-    args = ap.parse_args(argv)
-    report = {}
+def report(archs=(*AMD_ARCHS, "sm_90")) -> dict:
+    """arch -> dialect -> build statistics, compiling in a temporary directory."""
+    out = {}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        hip_source = hipify_sources(work) if set(args.arch) & set(AMD_ARCHS) else None
-        for arch in args.arch:
+        hip_source = hipify_sources(work) if set(archs) & set(AMD_ARCHS) else None
+        for arch in archs:
             if arch == "sm_90":
-                report[arch] = compile_sm90(work)
+                out[arch] = compile_sm90(work)
             else:
-                report[arch] = amdgcn_kernel_stats(compile_amdgcn(arch, hip_source, work))
-    if args.json:
-        print(json.dumps(report, indent=1))
-    else:
-        for arch, kernels in report.items():
-            for dialect, s in kernels.items():
-                print(f"{arch:7s} {dialect:5s} " + " ".join(f"{k}={v}" for k, v in s.items()))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+                out[arch] = amdgcn_kernel_stats(compile_amdgcn(arch, hip_source, work))
+    return out
