@@ -86,7 +86,7 @@ template <int LANES>
 DSV4_HD double load_lane(const RowJob& job, int lane, float* x) {
   constexpr int kEpt = Lane<LANES>::kEpt;
   double sum = 0.0;
-#pragma unroll
+DSV4_UNROLL
   for (int i = 0; i < kEpt; ++i) {
     x[i] = bf16_to_float(job.src[lane * kEpt + i]);
     sum += double(x[i]) * double(x[i]);
@@ -104,7 +104,7 @@ DSV4_HD float finish_lane(const RowJob& job, const SetKvParams& p, int lane, flo
                           float* x) {
   using L = Lane<LANES>;
   if (job.freqs != nullptr) {
-#pragma unroll
+DSV4_UNROLL
     for (int i = 0; i < L::kEpt; ++i) {
       float y = mul_rn(x[i], inv_rms);
       if (job.weight != nullptr) {
@@ -114,7 +114,7 @@ DSV4_HD float finish_lane(const RowJob& job, const SetKvParams& p, int lane, flo
     }
     if (lane >= L::kRopeLane) {
       const float* cs = job.freqs + (lane * L::kEpt - kNopeDim);  // (cos, sin) per pair
-#pragma unroll
+DSV4_UNROLL
       for (int i = 0; i < L::kEpt; i += 2) {
         const float a = x[i], b = x[i + 1], c = cs[i], s = cs[i + 1];
         x[i] = round_bf16(sub_rn(mul_rn(a, c), mul_rn(b, s)));
@@ -124,7 +124,7 @@ DSV4_HD float finish_lane(const RowJob& job, const SetKvParams& p, int lane, flo
   }
   float amax = 0.0f;
   if (lane < L::kRopeLane) {
-#pragma unroll
+DSV4_UNROLL
     for (int i = 0; i < L::kEpt; ++i) amax = max_f(amax, abs_f(x[i]));
   }
   return amax;
@@ -136,7 +136,7 @@ DSV4_HD void store_lane(const RowJob& job, int lane, float tile_amax, const floa
   using L = Lane<LANES>;
   const int first = lane * L::kEpt;
   if (job.q_out != nullptr) {
-#pragma unroll
+DSV4_UNROLL
     for (int i = 0; i < L::kEpt; ++i) job.q_out[first + i] = float_to_bf16(x[i]);
     return;
   }
@@ -145,13 +145,13 @@ DSV4_HD void store_lane(const RowJob& job, int lane, float tile_amax, const floa
     const int e = ceil_log2(div_rn(max_f(tile_amax, kAmaxFloor), fmax));
     const float inv_scale = exp2_int(-e);
     float q[L::kEpt];
-#pragma unroll
+DSV4_UNROLL
     for (int i = 0; i < L::kEpt; ++i) {
       const float v = x[i] * inv_scale;  // exact: a power-of-two scale
       q[i] = v < -fmax ? -fmax : (v > fmax ? fmax : v);
     }
     uint32_t* out = reinterpret_cast<uint32_t*>(job.values + first);
-#pragma unroll
+DSV4_UNROLL
     for (int i = 0; i < L::kEpt; i += 4) {
       out[i / 4] = fp8x4_from_float<D>(q[i], q[i + 1], q[i + 2], q[i + 3]);
     }
@@ -159,7 +159,7 @@ DSV4_HD void store_lane(const RowJob& job, int lane, float tile_amax, const floa
     return;
   }
   uint32_t* out = reinterpret_cast<uint32_t*>(job.values + kNopeDim + 2 * (first - kNopeDim));
-#pragma unroll
+DSV4_UNROLL
   for (int i = 0; i < L::kEpt; i += 2) {
     out[i / 2] = uint32_t(float_to_bf16(x[i])) | uint32_t(float_to_bf16(x[i + 1])) << 16;
   }

@@ -11,8 +11,12 @@
 #define DSV4_HD inline
 #endif
 
+// Unrolling matters on the GPU (the per-lane arrays must live in registers); host compilers
+// would warn about the device pragma.
 #if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
-#define DSV4_DEVICE_PASS 1
+#define DSV4_UNROLL _Pragma("unroll")
+#else
+#define DSV4_UNROLL
 #endif
 
 namespace dsv4 {
