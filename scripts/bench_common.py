@@ -287,8 +287,9 @@ def parser(description: str, default_out: str) -> argparse.ArgumentParser:
     return p
 
 
-def resolve_common(args: argparse.Namespace) -> None:
-    """Fill the --warmup/--reps/--threads defaults and apply --threads."""
+def resolve_repetitions(args: argparse.Namespace) -> None:
+    """Fill the --warmup, --reps and --threads defaults (from --quick and the device); apply
+    --threads."""
     if args.threads is None and not on_gpu():
         args.threads = 1
     if args.threads is not None:

@@ -214,7 +214,7 @@ def parse_args(argv=None):
                    "decode step (default 300)")
     p.add_argument("--page-size", type=int, default=256, help="page size in tokens (default 256)")
     args = p.parse_args(argv)
-    bc.resolve_common(args)
+    bc.resolve_repetitions(args)
     args.models = (args.models or ",".join(MODELS)).split(",")
     args.batches = args.batches or ([1, 8] if args.quick else [1, 2, 4, 8, 16, 32, 64])
     args.methods, args.modes = args.methods.split(","), args.modes.split(",")
