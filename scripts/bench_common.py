@@ -269,17 +269,20 @@ def environment() -> dict:
 # ---- command line, record, output ----------------------------------------------------------
 
 
-def parser(description: str, default_out: str) -> argparse.ArgumentParser:
-    """An argument parser with the options every benchmark script takes."""
+def parser(description: str, default_out: str, repetitions: bool = True
+           ) -> argparse.ArgumentParser:
+    """An argument parser with the options every benchmark script takes (--warmup and --reps
+    only with repetitions)."""
     p = argparse.ArgumentParser(description=description,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
                    help="small sweep, few repetitions (a CPU smoke run; what the tests run)")
     p.add_argument("--out", default=default_out, help=f"JSON output file (default {default_out})")
-    p.add_argument("--warmup", type=int, default=None,
-                   help="untimed calls before timing (default: 2 quick, 10 full)")
-    p.add_argument("--reps", type=int, default=None,
-                   help="timed calls per measurement (default: 5 quick, 50 full)")
+    if repetitions:
+        p.add_argument("--warmup", type=int, default=None,
+                       help="untimed calls before timing (default: 2 quick, 10 full)")
+        p.add_argument("--reps", type=int, default=None,
+                       help="timed calls per measurement (default: 5 quick, 50 full)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: 1 without a GPU, where the benchmark "
                         "tensors are tiny and extra threads only add contention; else torch's)")
@@ -294,9 +297,9 @@ def resolve_repetitions(args: argparse.Namespace) -> None:
         args.threads = 1
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    if args.warmup is None:
+    if getattr(args, "warmup", 0) is None:
         args.warmup = 2 if args.quick else 10
-    if args.reps is None:
+    if getattr(args, "reps", 0) is None:
         args.reps = 5 if args.quick else 50
 
 

@@ -1,0 +1,317 @@
+"""Decode ITL and tokens/s of the engine with each DSV4_* optimization flag on and off.
+
+Each flag configuration runs in a fresh worker subprocess (flags are read once per process), which
+builds the model once and sweeps concurrency x context length through `dsv4.engine.Engine`:
+for each case it warms up (a short generate: lazy initialisation, graph capture), then times one
+`generate(prompts, new_tokens)`. Workers start from the environment with every DSV4_* variable
+removed (all defaults), then set their configuration's flags.
+
+Configurations: "default" (no flag set), then one flag flipped at a time (DSV4_GRAPH=0,
+DSV4_CACHE_SWA_TRANSLATION=0, DSV4_MULTI_STREAM_PREPARE=1), the cache and multi-stream flips
+again in eager mode, and on a GPU each DSV4_KERNEL_BACKEND (torch, triton, hip; on a CPU only the
+torch path runs, so those are skipped). --quick runs the first four.
+
+Model: on a CPU the tiny preset (all its layers); on a GPU the flash preset cut to --layers
+layers (default 4; Flash/Pro-shaped layers, seeded random weights), optionally with fewer routed
+experts (--experts): the cut is stated in "model".
+
+Timing: the engine runs one forward per decode step; a step's latency (the ITL sample) is the
+time from the start of its forward to the start of the next one (the last: to the return of
+generate), so sampling, allocation and eviction are included. The engine reads the sampled
+tokens on the host every step, so host timestamps bound device work.
+
+Output JSON (beyond bench_common's record keys):
+  "model": preset, n_layers, n_layers_full, reduced, n_routed_experts, n_routed_experts_full,
+      parameters, note
+  "configs": [{"name", "env"}]; "notes": caveats of this run
+  "results": one row per (config, concurrency, context_len): config, env, concurrency,
+      context_len, new_tokens, decode_steps, itl_ms_p50, itl_ms_p90, itl_ms_mean, prefill_ms,
+      decode_tokens_per_s (concurrency * steps / decode time), e2e_tokens_per_s (all new tokens
+      / generate wall time), swa_translations_per_step, swa_cache_hits_per_step, graph_used,
+      flags (as the worker saw them), itl_p50_vs_default (ratio; null without a default row)
+  "errors": [{"config", "concurrency", "context_len", "error"}] for cases or workers that failed
+
+Run: python scripts/bench_decode.py [--quick] [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+import bench_common as bc
+
+FLAG_FLIPS = (("DSV4_GRAPH", "0"), ("DSV4_CACHE_SWA_TRANSLATION", "0"),
+              ("DSV4_MULTI_STREAM_PREPARE", "1"))
+EAGER_FLIPS = (("DSV4_CACHE_SWA_TRANSLATION", "0"), ("DSV4_MULTI_STREAM_PREPARE", "1"))
+KERNEL_BACKENDS = ("torch", "triton", "hip")
+RESULT, MODEL = "RESULT ", "MODEL "
+
+
+def config_name(env: dict[str, str]) -> str:
+    return "+".join(f"{k}={v}" for k, v in env.items()) or "default"
+
+
+def flag_configs(quick: bool, gpu: bool) -> list[dict]:
+    envs = [{}] + [{k: v} for k, v in FLAG_FLIPS]
+    if not quick:
+        envs += [{"DSV4_GRAPH": "0", k: v} for k, v in EAGER_FLIPS]
+        if gpu:
+            envs += [{"DSV4_KERNEL_BACKEND": b} for b in KERNEL_BACKENDS]
+    return [{"name": config_name(e), "env": e} for e in envs]
+
+
+# ---- worker: one flag configuration, in its own process -----------------------------------
+
+
+def build_model(spec: dict):
+    from dsv4.config import ModelConfig
+    from dsv4.model import DeepseekV4Model
+    from dsv4.random_init import init_random_weights
+
+    cfg = ModelConfig.preset(spec["preset"])
+    full_layers, full_experts = cfg.n_layers, cfg.n_routed_experts
+    layers = spec["layers"] or cfg.n_layers
+    cfg = replace(cfg, n_layers=layers, compress_ratios=cfg.compress_ratios[:layers],
+                  n_mtp_layers=0, n_hash_layers=min(cfg.n_hash_layers, layers),
+                  n_routed_experts=spec["experts"] or cfg.n_routed_experts)
+    max_seq_len = max(spec["contexts"]) + spec["new_tokens"]
+    model = DeepseekV4Model(cfg, device=bc.device(), max_seq_len=max_seq_len)
+    init_random_weights(model, spec["seed"])
+    reduced = layers < full_layers or cfg.n_routed_experts < full_experts
+    info = {"preset": spec["preset"], "n_layers": layers, "n_layers_full": full_layers,
+            "reduced": reduced, "n_routed_experts": cfg.n_routed_experts,
+            "n_routed_experts_full": full_experts,
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "note": (f"{spec['preset']} shapes cut to {layers}/{full_layers} layers and "
+                     f"{cfg.n_routed_experts}/{full_experts} routed experts (top-"
+                     f"{cfg.n_activated_experts} per token unchanged), random weights")
+            if reduced else f"{spec['preset']} preset, all layers, random weights"}
+    return model, info
+
+
+class StepClock:
+    """Timestamps of the decode steps of an engine: wraps engine.forward and, when the engine
+    has a graph runner, its replay (outermost call only), for the duration of a `with`."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.starts: list[float] = []
+        self.swa_stats: list[tuple[int, int]] = []  # (translations, hits) at each step's start
+        self.replays = 0
+        self._depth = 0
+        self._patched: list[tuple[object, str]] = []
+
+    def _wrap(self, owner, name: str, is_decode) -> None:
+        original = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            if self._depth == 0 and is_decode(*args, **kwargs):
+                self.starts.append(time.perf_counter())
+                stats = self.engine.pool.swa_loc_stats
+                self.swa_stats.append((stats.translations, stats.hits))
+                self.replays += name == "replay"
+            self._depth += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._depth -= 1
+
+        setattr(owner, name, timed)
+        self._patched.append((owner, name))
+
+    def __enter__(self) -> "StepClock":
+        self._wrap(self.engine, "forward", lambda batch, *a, **k: batch.is_decode)
+        runner = getattr(self.engine, "graph_runner", None)
+        if runner is not None:
+            self._wrap(runner, "replay", lambda *a, **k: True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, name in self._patched:
+            delattr(owner, name)  # the instance attribute shadowed the class's method
+
+
+def run_case(model, spec: dict, concurrency: int, context_len: int) -> dict:
+    from dsv4.engine import Engine
+
+    new_tokens = spec["new_tokens"]
+    engine = Engine(model, max_batch=concurrency, max_context_len=context_len + new_tokens,
+                    page_size=spec["page_size"])
+    g = torch.Generator().manual_seed(spec["seed"] + concurrency * 7919 + context_len)
+    prompts = torch.randint(2, model.config.vocab_size, (concurrency, context_len),
+                            generator=g).tolist()
+    engine.generate(prompts, 3)  # warm-up: lazy initialisation, graph capture
+    with StepClock(engine) as clock:
+        t0 = time.perf_counter()
+        engine.generate(prompts, new_tokens)
+        end = time.perf_counter()
+    steps = len(clock.starts)
+    if steps == 0:
+        raise RuntimeError("no decode step was seen (new_tokens must be >= 2)")
+    bounds = clock.starts + [end]
+    itl = sorted((b - a) * 1e3 for a, b in zip(bounds, bounds[1:]))
+    decode_s = end - clock.starts[0]
+    stats = engine.pool.swa_loc_stats
+    translations, hits = (now - first for now, first in zip((stats.translations, stats.hits),
+                                                             clock.swa_stats[0]))
+    return {
+        "concurrency": concurrency, "context_len": context_len, "new_tokens": new_tokens,
+        "decode_steps": steps,
+        "itl_ms_p50": round(bc.Timing(itl, "perf_counter").p50, 3),
+        "itl_ms_p90": round(bc.Timing(itl, "perf_counter").p90, 3),
+        "itl_ms_mean": round(sum(itl) / steps, 3),
+        "prefill_ms": round((clock.starts[0] - t0) * 1e3, 3),
+        "decode_tokens_per_s": round(concurrency * steps / decode_s, 3),
+        "e2e_tokens_per_s": round(concurrency * new_tokens / (end - t0), 3),
+        "swa_translations_per_step": round(translations / steps, 3),
+        "swa_cache_hits_per_step": round(hits / steps, 3),
+        "graph_used": clock.replays > 0,
+    }
+
+
+def worker(spec: dict) -> None:
+    """Print one MODEL line, then one RESULT line per case (stdout, JSON)."""
+    if spec["threads"]:
+        torch.set_num_threads(spec["threads"])
+    model, info = build_model(spec)
+    print(MODEL + json.dumps({**info, "flags": bc.flag_values()}), flush=True)
+    with torch.no_grad():
+        for context_len in spec["contexts"]:
+            for concurrency in spec["concurrency"]:
+                case = {"concurrency": concurrency, "context_len": context_len}
+                try:
+                    row = run_case(model, spec, concurrency, context_len)
+                except Exception as e:  # noqa: BLE001 - reported in the JSON, the sweep goes on
+                    row = {**case, "error": f"{type(e).__name__}: {e}"}
+                    if bc.on_gpu():
+                        torch.cuda.empty_cache()
+                print(RESULT + json.dumps(row), flush=True)
+
+
+# ---- parent: one worker per configuration ----------------------------------------------------
+
+
+def run_config(config: dict, spec: dict, bar) -> tuple[dict | None, list[dict], list[dict]]:
+    """(model info, rows, errors) of one configuration's worker."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DSV4_")}
+    env.update(config["env"])
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
+    info, rows, errors = None, [], []
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+        for line in proc.stdout:
+            if line.startswith(MODEL):
+                info = json.loads(line[len(MODEL):])
+            elif line.startswith(RESULT):
+                row = {"config": config["name"], "env": config["env"],
+                       **json.loads(line[len(RESULT):])}
+                if "error" in row:
+                    errors.append({k: row[k] for k in ("config", "concurrency", "context_len",
+                                                        "error")})
+                else:
+                    rows.append({**row, "flags": info["flags"]})
+                bar.update()
+        if proc.wait() != 0:
+            err.seek(0)
+            tail = err.read()[-2000:]
+            errors.append({"config": config["name"], "concurrency": None, "context_len": None,
+                           "error": f"worker exited with {proc.returncode}: {tail}"})
+    return info, rows, errors
+
+
+def add_ratios(rows: list[dict]) -> None:
+    default = {(r["concurrency"], r["context_len"]): r["itl_ms_p50"] for r in rows
+               if r["config"] == "default"}
+    for r in rows:
+        base = default.get((r["concurrency"], r["context_len"]))
+        r["itl_p50_vs_default"] = round(r["itl_ms_p50"] / base, 4) if base else None
+
+
+def parse_args(argv=None):
+    gpu = bc.on_gpu()
+    p = bc.parser(__doc__.split("\n")[0], "results/bench_decode.json", repetitions=False)
+    p.add_argument("--preset", default="flash" if gpu else "tiny",
+                   help="model preset (default: flash on a GPU, tiny on a CPU)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="keep only the first N layers (default: 4 for flash/pro, all for tiny)")
+    p.add_argument("--experts", type=int, default=None,
+                   help="routed experts per MoE layer (default: the preset's)")
+    p.add_argument("--concurrency", type=bc.int_list, default=None,
+                   help="batch sizes (default 1,2,4,8,16,32,64; quick 1,4)")
+    p.add_argument("--contexts", type=bc.int_list, default=None,
+                   help="prompt lengths (default 1024,4096 on a GPU, 32,512 on a CPU; quick 32)")
+    p.add_argument("--new-tokens", type=int, default=None,
+                   help="tokens generated per request (default 65; quick 9)")
+    p.add_argument("--configs", default=None,
+                   help="comma-separated configuration names to run (default: all; see --help "
+                        "text above; e.g. default,DSV4_GRAPH=0)")
+    p.add_argument("--page-size", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker is not None:
+        return args
+    bc.resolve_repetitions(args)
+    args.layers = args.layers or (4 if args.preset in ("flash", "pro") else None)
+    args.concurrency = args.concurrency or ([1, 4] if args.quick else [1, 2, 4, 8, 16, 32, 64])
+    args.contexts = args.contexts or ([32] if args.quick else
+                                      [1024, 4096] if gpu else [32, 512])
+    args.new_tokens = args.new_tokens or (9 if args.quick else 65)
+    if args.new_tokens < 2:
+        p.error("--new-tokens must be >= 2 (the first token comes from the prefill)")
+    configs = flag_configs(args.quick, gpu)
+    if args.configs:
+        wanted = args.configs.split(",")
+        known = {c["name"] for c in configs} | {c["name"] for c in flag_configs(False, True)}
+        unknown = [w for w in wanted if w not in known]
+        if unknown:
+            p.error(f"--configs: unknown {unknown}; known: {sorted(known)}")
+        configs = [c for c in flag_configs(False, True) if c["name"] in wanted]
+    args.flag_configs = configs
+    return args
+
+
+def main(argv=None) -> dict | None:
+    args = parse_args(argv)
+    if args.worker is not None:
+        worker(json.loads(args.worker))
+        return None
+    spec = {k: getattr(args, k) for k in ("preset", "layers", "experts", "concurrency",
+                                          "contexts", "new_tokens", "page_size", "seed",
+                                          "threads")}
+    record = bc.new_record("bench_decode", args, {**spec, "configs": [
+        c["name"] for c in args.flag_configs]})
+    record["configs"] = args.flag_configs
+    record["notes"] = [] if bc.on_gpu() else [
+        "CPU: DSV4_KERNEL_BACKEND configurations skipped (only the torch path runs here); "
+        "graphs, if used, are the CPU emulation: their times say nothing about a GPU"]
+    model, rows, errors = None, [], []
+    cases = len(args.concurrency) * len(args.contexts)
+    with bc.progress(cases * len(args.flag_configs), "decode", args.no_progress) as bar:
+        for config in args.flag_configs:
+            bar.set_postfix_str(config["name"])
+            info, config_rows, config_errors = run_config(config, spec, bar)
+            model = model or info
+            rows += config_rows
+            errors += config_errors
+    if model is not None:
+        model = {k: v for k, v in model.items() if k != "flags"}
+    add_ratios(rows)
+    record.update(model=model, results=rows, errors=errors)
+    bc.write_json(args.out, record)
+    print(f"wrote {args.out} ({len(rows)} rows, {len(errors)} errors)")
+    return record
+
+
+if __name__ == "__main__":
+    main()
