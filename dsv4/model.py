@@ -1,8 +1,10 @@
-"""The DeepSeek-V4 module tree (parameter names = the reference checkpoint's tensor names) and the
-storage-independent parts of its forward: embedding, mHC around each block, MoE, head.
+"""The DeepSeek-V4 module tree (parameter names = the reference checkpoint's tensor names) and its
+forward over the paged KV caches of ``mem_pool``.
 
-Where the attention's KV lives and how a step is executed over the paged caches is in
-``dsv4.paged`` (``DeepseekV4Model.forward(batch)``).
+One step (``DeepseekV4Model.forward``): attention metadata is built once from the batch; then each
+``DeepseekV4DecoderLayer`` runs mHC pre, the attention prepare (Q/KV projections, the window KV
+store at the SWA slots of ``out_cache_loc``, the compressors), the sparse attention over window +
+compressed rows (``dsv4.paged_attention``), mHC post, and the MoE half.
 """
 
 from __future__ import annotations
@@ -12,11 +14,17 @@ import logging
 import torch
 from torch import nn
 
+from . import envs, streams
+from .attention_metadata import AttentionMetadata, build_attention_metadata
 from .config import ModelConfig
+from .forward_batch import ForwardBatch
 from .layers import mhc
 from .layers.attention import Attention
 from .layers.moe import MoE
 from .layers.norm import RMSNorm
+from .layers.rope import layer_freqs_cis
+from .paged_attention import (LayerCaches, attend, run_compressor, store_compressed,
+                              store_index_keys)
 
 logger = logging.getLogger(__name__)
 
@@ -55,13 +63,83 @@ class DeepseekV4DecoderLayer(nn.Module):
         y, post, comb = self._hc_pre(x, "ffn")
         return mhc.hc_post(self.ffn(self.ffn_norm(y), input_ids), x, post, comb)
 
+    # ---- paged execution ----------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, meta: AttentionMetadata,
+                token_to_kv_pool, freqs_cis: torch.Tensor, multi_stream: bool = False
+                ) -> torch.Tensor:
+        """Hidden copies [N, hc, dim] -> the same after this layer; freqs_cis: the layer's table."""
+        y, post, comb = self.attn_input(x)
+        freqs = freqs_cis[batch.positions.long()]
+        caches = LayerCaches.of(token_to_kv_pool, self.layer_id, self.compress_ratio)
+        prepare = self._forward_prepare_multi_stream_hip if multi_stream else self._forward_prepare
+        q, qr = prepare(y, batch, meta, token_to_kv_pool, caches, freqs_cis)
+        out = attend(self.attn, q, qr, y, freqs, meta, caches, batch.is_decode)
+        x = mhc.hc_post(out, x, post, comb)
+        return self.ffn_block(x, batch.input_ids)
+
+    def _project_q_store_kv(self, y, batch, token_to_kv_pool, freqs_cis):
+        """(q, qr): Q projection; window KV norm + RoPE + FP8 store at the SWA slots of
+        out_cache_loc, fused with q's weightless norm + RoPE (in place)."""
+        q, qr = self.attn.project_q(y)
+        kv = self.attn.project_kv(y)
+        swa_loc = token_to_kv_pool.get_cached_swa_loc(batch.out_cache_loc, self.layer_id)
+        token_to_kv_pool.set_swa_key_buffer_radix_fused_norm_rope(
+            self.layer_id, swa_loc, kv, self.attn.kv_norm.weight, self.attn.eps, freqs_cis,
+            batch.positions, q=q)
+        return q, qr
+
+    def _run_compressor(self, y, batch, meta, caches, freqs_cis):
+        plan = meta.plans[self.compress_ratio]
+        run_compressor(self.attn.compressor, y, batch.positions, plan, caches.state,
+                       store_compressed(caches), freqs_cis)
+
+    def _run_indexer_compressor(self, y, batch, meta, caches, freqs_cis):
+        run_compressor(self.attn.indexer.compressor, y, batch.positions, meta.plans[4],
+                       caches.index_state, store_index_keys(caches), freqs_cis)
+
+    def _forward_prepare(self, y, batch, meta, token_to_kv_pool, caches, freqs_cis):
+        """Everything on the current stream: Q, window KV store, compressors. (q, qr)."""
+        q, qr = self._project_q_store_kv(y, batch, token_to_kv_pool, freqs_cis)
+        if self.compress_ratio:
+            self._run_compressor(y, batch, meta, caches, freqs_cis)
+        if self.attn.indexer is not None:
+            self._run_indexer_compressor(y, batch, meta, caches, freqs_cis)
+        return q, qr
+
+    def _forward_prepare_multi_stream_hip(self, y, batch, meta, token_to_kv_pool, caches,
+                                          freqs_cis):
+        """The compressors on side streams, Q/KV and the window store on the main stream, joined
+        before the indexer scoring and the attention. Same results as _forward_prepare."""
+        main = streams.current_stream(y.device)
+        side = self._side_streams(y.device)
+        for s in side:
+            s.wait_stream(main)                       # y is ready
+        if self.compress_ratio:
+            with streams.on_stream(side[0]):
+                self._run_compressor(y, batch, meta, caches, freqs_cis)
+        if self.attn.indexer is not None:
+            with streams.on_stream(side[1]):
+                self._run_indexer_compressor(y, batch, meta, caches, freqs_cis)
+        q, qr = self._project_q_store_kv(y, batch, token_to_kv_pool, freqs_cis)
+        for s in side:
+            main.wait_stream(s)
+        return q, qr
+
+    def _side_streams(self, device):
+        if getattr(self, "_streams", None) is None:
+            self._streams = (streams.new_stream(device), streams.new_stream(device))
+        return self._streams
+
 
 class DeepseekV4Model(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.bfloat16, device=None):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.bfloat16, device=None,
+                 max_seq_len: int = 4096):
         super().__init__()
         config.validate()
         self.config = config
         self.dtype = dtype
+        self.max_seq_len = max_seq_len
         self.embed = nn.Embedding(config.vocab_size, config.dim, dtype=dtype, device=device)
         self.layers = nn.ModuleList(DeepseekV4DecoderLayer(config, i, dtype, device)
                                     for i in range(config.n_layers))
@@ -72,6 +150,38 @@ class DeepseekV4Model(nn.Module):
         self.hc_head_fn = _f32(device, hc, hc * config.dim)
         self.hc_head_base = _f32(device, hc)
         self.hc_head_scale = _f32(device, 1)
+        # RoPE tables (not in the checkpoint): rope_theta for ratio-0 layers, YaRN otherwise.
+        self.register_buffer("freqs_cis", layer_freqs_cis(config, 0, max_seq_len, device),
+                             persistent=False)
+        self.register_buffer("freqs_cis_yarn", layer_freqs_cis(config, 4, max_seq_len, device),
+                             persistent=False)
+
+    def layer_freqs(self, layer: DeepseekV4DecoderLayer) -> torch.Tensor:
+        return self.freqs_cis_yarn if layer.compress_ratio else self.freqs_cis
+
+    def compress_ratios(self) -> dict[int, int]:
+        """Compress ratio -> state ring size, for the ratios this model's layers use."""
+        return {r: 2 * r if r == 4 else r for r in sorted({l.compress_ratio for l in self.layers})
+                if r}
+
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch, token_to_kv_pool, req_to_token: torch.Tensor,
+                all_logits: bool = False, max_rows: dict[int, int] | None = None,
+                multi_stream: bool | None = None) -> torch.Tensor:
+        """One step over the paged caches: fp32 logits of each request's last new token [B, V]
+        (of every new token [N, V] with all_logits). max_rows fixes the compressed rows per query
+        per ratio (needed under graph capture; default: the batch's maximum)."""
+        if multi_stream is None:
+            multi_stream = envs.MULTI_STREAM_PREPARE.get()
+        meta = build_attention_metadata(
+            batch, req_to_token, token_to_kv_pool.full_to_swa_index_mapping, self.config.window_size,
+            self.compress_ratios(), max_rows)
+        x = self.embed_tokens(batch.input_ids)
+        for layer in self.layers:
+            x = layer(x, batch, meta, token_to_kv_pool, self.layer_freqs(layer), multi_stream)
+        if not all_logits and not batch.is_decode:
+            x = x[torch.cumsum(batch.extend_seq_lens.long(), 0) - 1]
+        return self.logits(x)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[N] token ids -> hidden copies [N, hc, dim]."""

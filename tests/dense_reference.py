@@ -162,8 +162,8 @@ def compress(x, w, prefix, ratio, head_dim, inv, rotate, eps):
     return rows
 
 
-def indexer_selection(cfg, w, p, y, qr, inv, n_rows):
-    """Boolean [T, n_rows]: the compressed rows each position attends on a ratio-4 layer."""
+def indexer_scores(cfg, w, p, y, qr, inv):
+    """fp32 [T, T // 4]: score[t, c] = sum_h relu(q_h(t) . k_c) * w_h(t) on a ratio-4 layer."""
     T = y.shape[0]
     pos = torch.arange(T)
     H, D = cfg.index_n_heads, cfg.index_head_dim
@@ -171,8 +171,13 @@ def indexer_selection(cfg, w, p, y, qr, inv, n_rows):
     q = fp4_sim(hadamard(rope_last(q, pos, inv)))
     keys = compress(y, w, p + "indexer.compressor.", 4, D, inv, True, cfg.norm_eps)
     hw = linear(y, w[p + "indexer.weights_proj.weight"]).float() * (D ** -0.5 * H ** -0.5)
-    score = (torch.einsum("thd,cd->thc", q.float(), keys.float()).relu() * hw.unsqueeze(-1)).sum(1)
-    sel = torch.zeros(T, n_rows, dtype=torch.bool)
+    return (torch.einsum("thd,cd->thc", q.float(), keys.float()).relu() * hw.unsqueeze(-1)).sum(1)
+
+
+def top_k_selection(cfg, score):
+    """Boolean [T, C]: the top index_topk of the rows c < (t + 1) // 4 (all when fewer)."""
+    T, C = score.shape
+    sel = torch.zeros(T, C, dtype=torch.bool)
     for t in range(T):
         n_vis = (t + 1) // 4
         if n_vis <= cfg.index_topk:
@@ -182,7 +187,7 @@ def indexer_selection(cfg, w, p, y, qr, inv, n_rows):
     return sel
 
 
-def attention(cfg, w, i, y):
+def attention(cfg, w, i, y, selection=None, trace=None):
     p = f"layers.{i}.attn."
     ratio = cfg.compress_ratios[i]
     T = y.shape[0]
@@ -204,7 +209,11 @@ def attention(cfg, w, i, y):
         rows.append(fp8_kv_sim(comp) if n else comp)
         seen = torch.arange(n)[None] < ((pos + 1) // ratio)[:, None]
         if ratio == 4:
-            seen &= indexer_selection(cfg, w, p, y, qr, inv, n)
+            score = indexer_scores(cfg, w, p, y, qr, inv)
+            if trace is not None:
+                trace["index", i] = score
+            chosen = top_k_selection(cfg, score) if selection is None else selection[i]
+            seen &= chosen
         visible.append(seen)
     K = torch.cat(rows).float()
     vis = torch.cat(visible, 1)
@@ -236,14 +245,17 @@ def expert(w, p, x, weight, limit):
     return linear(h.to(x.dtype), w[p + "w2.weight"])
 
 
-def moe(cfg, w, i, x, tokens):
+def moe(cfg, w, i, x, tokens, routing=None, trace=None):
     p = f"layers.{i}.ffn."
     s = linear(x.float(), w[p + "gate.weight"].float())
     s = F.softplus(s).sqrt()
     if i < cfg.n_hash_layers:
         idx = w[p + "gate.tid2eid"][tokens].long()
     else:
-        idx = (s + w[p + "gate.bias"]).topk(cfg.n_activated_experts, -1).indices
+        biased = s + w[p + "gate.bias"]
+        if trace is not None:
+            trace["route", i] = biased
+        idx = biased.topk(cfg.n_activated_experts, -1).indices if routing is None else routing[i]
     weights = s.gather(1, idx)
     weights = weights / weights.sum(-1, keepdim=True) * cfg.route_scale
     y = torch.zeros(x.shape, dtype=torch.float32)
@@ -258,8 +270,14 @@ def moe(cfg, w, i, x, tokens):
 # ---- the model -----------------------------------------------------------------------------------
 
 @torch.no_grad()
-def dense_logits(cfg, state_dict, tokens) -> torch.Tensor:
-    """fp32 logits [T, vocab] of one request's tokens: row t predicts token t + 1."""
+def dense_logits(cfg, state_dict, tokens, selection=None, routing=None, trace=None) -> torch.Tensor:
+    """fp32 logits [T, vocab] of one request's tokens: row t predicts token t + 1.
+
+    The two discrete choices can be imposed, to compare an implementation whose near-tied choices
+    went the other way: ``selection`` (layer -> bool [T, T // 4]) replaces the indexer's top-k on
+    ratio-4 layers, ``routing`` (layer -> int [T, k]) the experts of score-routed MoE layers.
+    ``trace`` (a dict) receives ("index", layer) -> indexer scores [T, T // 4] and
+    ("route", layer) -> biased gate scores [T, n_routed_experts]."""
     w = {k: v.detach().cpu() for k, v in state_dict.items()}
     tokens = torch.as_tensor(tokens, dtype=torch.long)
     x = F.embedding(tokens, w["embed.weight"]).unsqueeze(1).repeat(1, cfg.hc_mult, 1)
@@ -268,11 +286,11 @@ def dense_logits(cfg, state_dict, tokens) -> torch.Tensor:
         pre, post, comb = hc_weights(x, w[p + "hc_attn_fn"], w[p + "hc_attn_scale"],
                                      w[p + "hc_attn_base"], cfg)
         y = rmsnorm(hc_combine(x, pre), w[p + "attn_norm.weight"], cfg.norm_eps)
-        x = hc_expand(attention(cfg, w, i, y), x, post, comb)
+        x = hc_expand(attention(cfg, w, i, y, selection, trace), x, post, comb)
         pre, post, comb = hc_weights(x, w[p + "hc_ffn_fn"], w[p + "hc_ffn_scale"],
                                      w[p + "hc_ffn_base"], cfg)
         y = rmsnorm(hc_combine(x, pre), w[p + "ffn_norm.weight"], cfg.norm_eps)
-        x = hc_expand(moe(cfg, w, i, y, tokens), x, post, comb)
+        x = hc_expand(moe(cfg, w, i, y, tokens, routing, trace), x, post, comb)
     xf = x.flatten(1).float()
     mixes = (xf @ w["hc_head_fn"].T) * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + cfg.norm_eps)
     pre = torch.sigmoid(mixes * w["hc_head_scale"] + w["hc_head_base"]) + cfg.hc_eps

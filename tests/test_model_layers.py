@@ -131,9 +131,9 @@ def test_attention_sink_only_enters_the_denominator():
     valid = torch.tensor([[True] * 5, [True, True, False, False, False]])
     with torch.no_grad():
         attn.attn_sink.fill_(float("-inf"))
-        plain = attn.sparse_attention(q, kv, valid)
+        plain = attn.sparse_attention(q, [kv[:, :2], kv[:, 2:]], [valid[:, :2], valid[:, 2:]])
         attn.attn_sink.copy_(torch.tensor([0.0, 1.0, 2.0, 3.0]))
-        sunk = attn.sparse_attention(q, kv, valid)
+        sunk = attn.sparse_attention(q, [kv], [valid])
     s = torch.einsum("nhd,nkd->nhk", q, kv) / math.sqrt(512)
     s = s.masked_fill(~valid[:, None], float("-inf"))
     torch.testing.assert_close(plain, torch.einsum("nhk,nkd->nhd", s.softmax(-1), kv))

@@ -7,7 +7,8 @@ is the caller's business:
    ``norm_rope_q``: weightless per-head RMSNorm, RoPE on dims 448..511.
 2. ``project_kv``: ``wkv(x)`` [N, 512]; ``norm_rope_kv``: kv_norm, RoPE (the FP8 simulation of the
    nope dims is the cache's quantization at the store).
-3. ``sparse_attention``: softmax over the gathered rows with the head's sink in the denominator.
+3. ``sparse_attention``: one softmax over the gathered row segments (window, compressed) with the
+   head's sink in the denominator.
 4. ``project_out``: inverse RoPE on o[..., 448:], grouped low-rank ``wo_a``, then ``wo_b``.
 """
 
@@ -66,15 +67,23 @@ class Attention(nn.Module):
     def norm_rope_kv(self, kv: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
         return rope_tail(self.kv_norm(kv), freqs_cis, self.rope_dim)
 
-    def sparse_attention(self, q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """q [N, H, 512], kv [N, K, 512] (dequantized rows), valid [N, K] -> o [N, H, 512] in q's
-        dtype: p_j = exp(s_j - m) / (sum_k exp(s_k - m) + exp(sink_h - m))."""
-        kvf = kv.float()
-        s = torch.einsum("nhd,nkd->nhk", q.float(), kvf) * self.softmax_scale
-        s = s.masked_fill(~valid.unsqueeze(1), float("-inf"))
-        sink = self.attn_sink.float().view(1, -1, 1).expand(s.shape[0], -1, 1)
-        p = torch.cat([s, sink], -1).softmax(-1)[..., :-1]
-        return torch.einsum("nhk,nkd->nhd", p, kvf).to(q.dtype)
+    def sparse_attention(self, q: torch.Tensor, kv: list[torch.Tensor],
+                         valid: list[torch.Tensor]) -> torch.Tensor:
+        """q [N, H, 512]; kv: segments of dequantized rows [N, K_i, 512] with valid [N, K_i]
+        (window, compressed) -> o [N, H, 512] in q's dtype, one softmax over all segments:
+        p_j = exp(s_j - m) / (sum_k exp(s_k - m) + exp(sink_h - m))."""
+        qf = q.float()
+        scores = [torch.einsum("nhd,nkd->nhk", qf, rows.float()).mul_(self.softmax_scale)
+                  .masked_fill_(~ok.unsqueeze(1), float("-inf")) for rows, ok in zip(kv, valid)]
+        sink = self.attn_sink.float().view(1, -1, 1).expand(q.shape[0], -1, 1)
+        p = torch.cat(scores + [sink], -1).softmax(-1)
+        o = None
+        start = 0
+        for rows in kv:
+            part = torch.einsum("nhk,nkd->nhd", p[..., start:start + rows.shape[1]], rows.float())
+            o = part if o is None else o + part
+            start += rows.shape[1]
+        return o.to(q.dtype)
 
     def project_out(self, o: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
         """[N, H, 512] -> [N, dim]: inverse RoPE, grouped wo_a, wo_b."""

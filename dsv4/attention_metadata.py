@@ -1,0 +1,117 @@
+"""Attention metadata: built once per step from the batch, shared by every layer.
+
+For each new token (a query) it says which KV rows it attends and where they live:
+
+- the sliding window: the SWA slots of its request's last ``window`` positions (itself included),
+  via req_to_token -> full location -> SWA slot;
+- per compress ratio r present in the model: the compressed rows c < (pos + 1) // r, at
+  compressed-cache location ``full_loc(c * r) // r`` (a full page maps to one compressed page);
+- per ratio, the compressor plan: for each candidate token, the ``window_rows`` (kv, score) rows
+  its pool reads, either from the request's state ring (positions before this step) or from this
+  step's own projections; the compressed location it emits to (-1 when it is not on a boundary);
+  and the ring row each new token's (kv, score) goes to (-1: not kept, only the last ring_size
+  positions of a request are).
+
+Decode metadata is built with tensor ops only (no host synchronization, shapes fixed by
+``max_context_len``), so it can be captured into a graph with the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+import torch
+
+from .forward_batch import ForwardBatch
+
+
+@dataclass
+class CompressPlan:
+    ratio: int
+    ring_size: int
+    tokens: torch.Tensor       # [M] batch token index of each candidate (decode: every token)
+    src_state: torch.Tensor    # [M, R] state-ring row of each pooled row, -1 = from this step
+    src_new: torch.Tensor      # [M, R] batch token index of each pooled row, -1 = from the ring
+    has_prev: torch.Tensor     # [M] the previous window exists (overlap pooling)
+    window_start: torch.Tensor  # [M] position of the window's first token (RoPE of the row)
+    emit_loc: torch.Tensor     # [M] compressed location written, -1 = not a boundary
+    state_write: torch.Tensor  # [N] state-ring row of each new token's (kv, score), -1 = skip
+    row_loc: torch.Tensor      # [N, C] compressed locations each query may see (0 where invalid)
+    row_valid: torch.Tensor    # [N, C] bool: c < (pos + 1) // ratio
+
+
+@dataclass
+class AttentionMetadata:
+    positions: torch.Tensor      # [N]
+    window_loc: torch.Tensor     # [N, W] SWA slots, oldest first (0 where invalid)
+    window_valid: torch.Tensor   # [N, W]
+    plans: dict[int, CompressPlan]
+
+
+def state_ring_rows(req_slots: torch.Tensor, positions: torch.Tensor, ring_size: int) -> torch.Tensor:
+    """Ring row of (request slot, position): slot * ring_size + position % ring_size."""
+    return req_slots * ring_size + positions % ring_size
+
+
+def build_attention_metadata(batch: ForwardBatch, req_to_token: torch.Tensor,
+                             full_to_swa: torch.Tensor, window: int, ratios: dict[int, int],
+                             max_rows: dict[int, int] | None = None) -> AttentionMetadata:
+    """``full_to_swa`` is the allocator's mapping tensor: the window's slots are gathered through it
+    directly (one gather for all layers; the pool's per-layer translation of out_cache_loc and its
+    counters are a separate thing). ``ratios`` maps each compress ratio in the model to its state
+    ring size. ``max_rows`` fixes
+    the number of compressed rows per query per ratio (decode under graphs); by default it is the
+    batch's maximum (a host read: extend only)."""
+    dev = batch.positions.device
+    pos = batch.positions.long()
+    rows_of_token = batch.token_request_rows()
+    req = batch.req_pool_indices.long()[rows_of_token]
+    seq_len = batch.seq_lens.long()[rows_of_token]
+    ctx = req_to_token.shape[1]
+
+    def full_loc(r, p):
+        return req_to_token[r, p.clamp(0, ctx - 1)].long()
+
+    q = pos[:, None] - torch.arange(window - 1, -1, -1, device=dev)
+    window_valid = q >= 0
+    swa = full_to_swa[full_loc(req[:, None], q)]
+    window_loc = torch.where(window_valid, swa, torch.zeros_like(swa))
+
+    if batch.is_decode:
+        first_new = pos
+    else:
+        first_new = (batch.seq_lens.long() - batch.extend_seq_lens.long())[rows_of_token]
+    plans = {}
+    for ratio, ring in ratios.items():
+        n_rows = None if max_rows is None else max_rows.get(ratio)
+        plans[ratio] = _compress_plan(batch, ratio, ring, pos, req, seq_len, first_new, full_loc,
+                                      n_rows)
+    return AttentionMetadata(pos, window_loc, window_valid, plans)
+
+
+def _compress_plan(batch, ratio, ring, pos, req, seq_len, first_new, full_loc, n_rows):
+    dev = pos.device
+    n = pos.shape[0]
+    if batch.is_decode:
+        tokens = torch.arange(n, device=dev)
+    else:
+        tokens = torch.nonzero((pos + 1) % ratio == 0).flatten()
+    p = pos[tokens]
+    width = 2 * ratio if ratio == 4 else ratio
+    qpos = p[:, None] - torch.arange(width - 1, -1, -1, device=dev)        # oldest first
+    new = qpos >= first_new[tokens][:, None]
+    src_new = torch.where(new, tokens[:, None] - (p[:, None] - qpos), -1)
+    src_state = torch.where(~new & (qpos >= 0), state_ring_rows(req[tokens][:, None], qpos, ring), -1)
+    window_start = p + 1 - ratio
+    emit = (p + 1) % ratio == 0
+    emit_loc = torch.where(emit, full_loc(req[tokens], window_start) // ratio, -1)
+    keep = pos >= seq_len - ring
+    state_write = torch.where(keep, state_ring_rows(req, pos, ring), -1)
+
+    visible = (pos + 1) // ratio
+    if n_rows is None:
+        n_rows = int(visible.max()) if n else 0
+    c = torch.arange(n_rows, device=dev)
+    row_valid = c[None] < visible[:, None]
+    row_loc = torch.where(row_valid, full_loc(req[:, None], c[None] * ratio) // ratio, 0)
+    return CompressPlan(ratio, ring, tokens, src_state, src_new, p // ratio > 0, window_start,
+                        emit_loc, state_write, row_loc, row_valid)

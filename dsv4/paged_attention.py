@@ -1,0 +1,174 @@
+"""The attention of one layer over the paged caches: compressor steps, indexer selection, gather
+of the window and compressed rows, sparse attention. The math lives in ``dsv4.layers``; this file
+moves rows between it and the caches, following the step's ``AttentionMetadata``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hip_kernels import kv_layout, set_kv
+from hip_kernels.platform import fp8_dialect
+
+from .attention_metadata import AttentionMetadata, CompressPlan
+from .layers.attention import Attention
+from .layers.compressor import Compressor
+from .layers.indexer import Indexer
+
+# Queries attended per chunk in a long extend (bounds the gathered rows' memory).
+EXTEND_CHUNK = 256
+
+
+@dataclass
+class LayerCaches:
+    """One layer's buffers in the pool. State rings are flattened to [slots * ring, width] rows
+    (row = req_pool_idx * ring + position % ring; the last row is the pool's scratch row)."""
+    swa: torch.Tensor
+    swa_page_size: int
+    compressed: torch.Tensor | None = None
+    compressed_page_size: int = 0
+    state: torch.Tensor | None = None
+    index: torch.Tensor | None = None
+    index_page_size: int = 0
+    index_state: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, pool, layer_id: int, ratio: int) -> "LayerCaches":
+        c = cls(pool.get_swa_cache(layer_id), pool.page_size)
+        if ratio:
+            c.compressed = pool.get_compressed_cache(layer_id)
+            c.compressed_page_size = pool.compressed_page_size(layer_id)
+            c.state = _rows(pool.get_compressor_state(layer_id))
+        if ratio == 4:
+            c.index = pool.get_indexer_cache(layer_id)
+            c.index_page_size = c.compressed_page_size
+            c.index_state = _rows(pool.get_indexer_compressor_state(layer_id))
+        return c
+
+
+def _rows(state: torch.Tensor) -> torch.Tensor:
+    return state.view(-1, state.shape[-1])
+
+
+def run_compressor(comp: Compressor, x: torch.Tensor, positions: torch.Tensor, plan: CompressPlan,
+                   state: torch.Tensor, store, freqs_cis: torch.Tensor) -> None:
+    """One step of a compressor: pool every candidate's window (rows from the state ring or from
+    this step), emit the boundary rows through ``store(rows, loc)`` (negative loc = skip), then
+    keep this step's (kv, score) rows in the ring. state: fp32 [ring rows, 2 * width]."""
+    kv, score = comp.project(x, positions)
+    width = kv.shape[1]
+    new = torch.cat([kv, score], 1)
+    from_new = (plan.src_new >= 0).unsqueeze(-1)
+    rows = torch.where(from_new, new[plan.src_new.clamp(min=0)], state[plan.src_state.clamp(min=0)])
+    pooled = comp.pool(rows[..., :width], rows[..., width:], plan.has_prev)
+    out = comp.finish(pooled, freqs_cis[plan.window_start.clamp(min=0)], x.dtype)
+    store(out.contiguous(), plan.emit_loc)
+    keep = plan.state_write >= 0
+    state.index_copy_(0, torch.where(keep, plan.state_write, state.shape[0] - 1), new)
+
+
+def read_kv(cache: torch.Tensor, loc: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Dequantized rows fp32 [*loc.shape, 512] of a V4-layout cache (see hip_kernels.kv_layout:
+    a page is [P x 576 value bytes][P x 8 scale bytes][padding]). Gathers whole rows through
+    [page, offset] views of the page bytes, so the index tensors are one entry per row."""
+    L = kv_layout
+    d = fp8_dialect()
+    values = cache[:, :page_size * L.VALUE_BYTES].view(-1, page_size, L.VALUE_BYTES)
+    scales = cache[:, page_size * L.VALUE_BYTES:page_size * L.TOKEN_BYTES].view(
+        -1, page_size, L.SCALE_BYTES)
+    loc = loc.long()
+    page, off = loc // page_size, loc % page_size
+    v = values[page, off]
+    exp = scales[page, off][..., :L.N_TILES].to(torch.int32) - L.UE8M0_BIAS
+    nope = v[..., :L.NOPE_DIM].view(d.torch_dtype).float().unflatten(-1, (L.N_TILES, L.TILE))
+    nope = torch.ldexp(nope, exp.unsqueeze(-1).float()).flatten(-2)
+    return torch.cat([nope, v[..., L.NOPE_DIM:].view(torch.bfloat16).float()], -1)
+
+
+def read_index_keys(cache: torch.Tensor, loc: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Dequantized indexer keys fp32 [*loc.shape, 128]: page = [P x 128 fp8][P x 4 fp32 scale]."""
+    width = kv_layout.INDEX_DIM
+    values = cache[:, :page_size * width].view(-1, page_size, width)
+    scales = cache[:, page_size * width:page_size * (width + 4)].view(-1, page_size, 4)
+    loc = loc.long()
+    page, off = loc // page_size, loc % page_size
+    q = values[page, off].view(fp8_dialect().torch_dtype).float()
+    return q * scales[page, off].view(torch.float32)
+
+
+def select_rows(indexer: Indexer, qr, x, freqs, plan: CompressPlan, rows: slice, cache,
+                page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(compressed locations [n, k], valid [n, k]) the indexer keeps for the queries in rows."""
+    q = indexer.project_q(qr, freqs)
+    w = indexer.head_weights(x)
+    loc = plan.row_loc[rows]
+    keys = read_index_keys(cache, loc, page_size)
+    pick = indexer.select(Indexer.scores(q, w, keys), plan.row_valid[rows])
+    return loc.gather(1, pick.clamp(min=0)), pick >= 0
+
+
+def read_kv_shared(cache: torch.Tensor, loc: torch.Tensor, page_size: int) -> torch.Tensor:
+    """read_kv for an extend, where the queries of a request share most of their rows: each
+    distinct row is dequantized once (torch.unique: a host sync, so not for graphs)."""
+    distinct, inverse = torch.unique(loc, return_inverse=True)
+    return read_kv(cache, distinct, page_size)[inverse]
+
+
+def attend(attn: Attention, q: torch.Tensor, qr: torch.Tensor, x: torch.Tensor,
+           freqs: torch.Tensor, meta: AttentionMetadata, caches, decode: bool) -> torch.Tensor:
+    """Attention output [N, dim] of queries q [N, H, 512] (normed, rotated); caches is the
+    layer's ``LayerCaches``."""
+    n = q.shape[0]
+    chunk = n if decode or n <= EXTEND_CHUNK else EXTEND_CHUNK
+    read = read_kv if decode else read_kv_shared
+    outs = []
+    for start in range(0, n, chunk):
+        rows = slice(start, min(n, start + chunk))
+        kv = [read(caches.swa, meta.window_loc[rows], caches.swa_page_size)]
+        valid = [meta.window_valid[rows]]
+        if attn.ratio:
+            plan = meta.plans[attn.ratio]
+            if attn.indexer is not None:
+                loc, ok = select_rows(attn.indexer, qr[rows], x[rows], freqs[rows], plan, rows,
+                                      caches.index, caches.index_page_size)
+            else:
+                loc, ok = plan.row_loc[rows], plan.row_valid[rows]
+            kv.append(read(caches.compressed, loc, caches.compressed_page_size))
+            valid.append(ok)
+        o = attn.sparse_attention(q[rows], kv, valid)
+        outs.append(attn.project_out(o, freqs[rows]))
+    return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+def store_compressed(caches):
+    return lambda rows, loc: set_kv.fused_store_cache(rows, caches.compressed, loc,
+                                                      caches.compressed_page_size)
+
+
+def store_index_keys(caches):
+    return lambda rows, loc: store_index_keys_exact(rows, caches.index, loc,
+                                                    caches.index_page_size)
+
+
+def store_index_keys_exact(k: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor,
+                           page_size: int) -> None:
+    """Store FP4-simulated indexer keys [N, 128] in the 132-byte indexer layout so that they read
+    back exactly: the per-row fp32 scale is a power of two (2^ceil(log2(amax / FP8_MAX))), and an
+    e2m1 value times a power of two is an fp8 value. (``set_kv.indexer_store`` uses amax / FP8_MAX,
+    which loses up to 1/16 of each key against the reference.) Rows with loc < 0 go to location 0,
+    the dummy row: no masking, so this is graph-safe."""
+    d = fp8_dialect()
+    kf = k.float()
+    amax = kf.abs().amax(-1, keepdim=True).clamp_min(2.0 ** -126)
+    scale = torch.ldexp(torch.ones_like(amax), kv_layout.pow2_ceil_exponent(amax / d.max))
+    q = (kf / scale).clamp(-d.max, d.max).to(d.torch_dtype)
+    loc = torch.where(loc >= 0, loc, 0).long()
+    base = (loc // page_size) * kv_layout.indexer_page_bytes(page_size)
+    t = loc % page_size
+    width = kv_layout.INDEX_DIM
+    flat = cache.view(-1)
+    flat[(base + t * width)[:, None] + torch.arange(width, device=k.device)] = q.view(torch.uint8)
+    flat[(base + page_size * width + t * 4)[:, None] + torch.arange(4, device=k.device)] = (
+        scale.view(torch.uint8))

@@ -1,0 +1,142 @@
+"""The paged backend (mem_pool caches, prefill then decode) against the dense reference.
+
+Tolerance. Both sides compute in the reference's precisions (bf16 activations and weights, fp32
+statistics, FP8 KV rows, FP4 indexer q/k) but not in the same order (batched vs. full-sequence
+GEMMs, fused vs. unfused norms), so last-bit differences of bf16 values appear; an FP8 KV element
+or an FP4 indexer element near a rounding boundary then lands one step apart (6% or 17% of that
+element). Continuous outputs stay close: the logits (std ~1) agree to LOGIT_ATOL = 0.1 absolute,
+where the measured worst case is ~0.04. The two discrete choices, the indexer's top-k and the
+score-routed experts, can flip between near-tied candidates under that noise (a flip moves a
+logit by ~1), so the dense reference is run with the choices the paged backend made, and each of
+those choices is checked to be a top-k choice of the dense scores up to a margin: REGRET_TOL of
+the scale of the scores compared (measured worst ~0.2 for indexer scores, whose FP4 inputs
+amplify the noise; ~0.01 for the gate).
+"""
+
+import time
+
+import pytest
+import torch
+
+import dense_reference as ref
+from dsv4.config import ModelConfig
+from dsv4.engine import Engine
+from dsv4.layers.indexer import Indexer
+from dsv4.layers.moe import Gate
+from dsv4.model import DeepseekV4Model
+from dsv4.random_init import init_random_weights
+
+LOGIT_ATOL = 0.1
+INDEX_REGRET_TOL = 0.3
+ROUTE_REGRET_TOL = 0.02
+MAX_LEN = 512
+
+TINY = ModelConfig.preset("tiny")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The tiny model's ops are far too small to share between threads: on a busy 2-core machine
+    OpenMP's hand-offs cost more than the ops (measured 4x slower with 2 threads)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return init_random_weights(DeepseekV4Model(TINY, max_seq_len=MAX_LEN), seed=1)
+
+
+class ChoiceRecorder:
+    """Records the indexer's top-k and the gate's experts, per layer, in call order."""
+
+    def __init__(self, model, monkeypatch):
+        self.picks = {id(l.attn.indexer): (i, []) for i, l in enumerate(model.layers)
+                      if l.attn.indexer is not None}
+        self.routes = {id(l.ffn.gate): (i, []) for i, l in enumerate(model.layers)
+                       if not l.ffn.gate.hash}
+        select, gate = Indexer.select, Gate.forward
+
+        def record_select(ind, scores, visible):
+            out = select(ind, scores, visible)
+            self.picks[id(ind)][1].append(out)
+            return out
+
+        def record_gate(g, x, input_ids):
+            weights, idx = gate(g, x, input_ids)
+            if id(g) in self.routes:
+                self.routes[id(g)][1].append(idx)
+            return weights, idx
+
+        monkeypatch.setattr(Indexer, "select", record_select)
+        monkeypatch.setattr(Gate, "forward", record_gate)
+
+    def selection(self, T):
+        out = {}
+        for layer, chunks in self.picks.values():
+            rows = [r for chunk in chunks for r in chunk]      # one per query, in order
+            assert len(rows) == T, f"layer {layer}: {len(rows)} indexer queries, expected {T}"
+            s = torch.zeros(T, T // 4, dtype=torch.bool)
+            for t, r in enumerate(rows):
+                s[t, r[r >= 0]] = True
+            out[layer] = s
+        return out
+
+    def routing(self):
+        return {layer: torch.cat(chunks) for layer, chunks in self.routes.values()}
+
+
+def regret(scores, chosen_mask, k):
+    """(k-th best score - worst chosen score) / max |score|, per row where choosing happened."""
+    worst = 0.0
+    for s, m in zip(scores, chosen_mask):
+        if s.numel() <= k:
+            assert m.all(), "with no more candidates than k, all of them are chosen"
+            continue
+        assert int(m.sum()) == k
+        kth = s.topk(k).values[-1]
+        worst = max(worst, float((kth - s[m].min()) / s.abs().max()))
+    return worst
+
+
+def run_and_compare(model, monkeypatch, prompt_len, decode_len, seed):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, TINY.vocab_size, (prompt_len + decode_len,), generator=g)
+    rec = ChoiceRecorder(model, monkeypatch)
+    engine = Engine(model, max_batch=2, max_context_len=MAX_LEN)
+    out = engine.generate([tokens[:prompt_len].tolist()], decode_len, return_logits=True,
+                          forced_tokens=[tokens[prompt_len:].tolist()])
+    T = prompt_len + decode_len - 1            # the last forced token is never fed
+    selection, routing = rec.selection(T), rec.routing()
+    trace = {}
+    want = ref.dense_logits(TINY, model.state_dict(), tokens[:T], selection, routing, trace)
+    got = out.logits[0]
+    assert got.shape == (decode_len, TINY.vocab_size)
+    diff = (got - want[prompt_len - 1:]).abs().max().item()
+
+    index_regret = 0.0
+    for layer, sel in selection.items():
+        score = trace["index", layer]
+        rows = [(score[t, :(t + 1) // 4], sel[t, :(t + 1) // 4]) for t in range(T)]
+        index_regret = max(index_regret, regret(*zip(*rows), TINY.index_topk) if rows else 0.0)
+    route_regret = 0.0
+    for layer, idx in routing.items():
+        mask = torch.zeros(T, TINY.n_routed_experts, dtype=torch.bool)
+        mask.scatter_(1, idx[:T], True)
+        route_regret = max(route_regret, regret(trace["route", layer], mask,
+                                                TINY.n_activated_experts))
+    return diff, index_regret, route_regret, out
+
+
+@pytest.mark.parametrize("prompt_len, decode_len", [
+    (245, 21),   # prefill crosses the window and C4 boundaries, decode crosses C128 at 256
+    (9, 8),      # short prompt: window not full, first compressed rows emitted in decode
+])
+def test_paged_logits_match_the_dense_reference(model, monkeypatch, prompt_len, decode_len):
+    diff, index_regret, route_regret, _ = run_and_compare(model, monkeypatch, prompt_len,
+                                                          decode_len, seed=prompt_len)
+    assert diff <= LOGIT_ATOL, f"max |logit difference| {diff:.4f} > {LOGIT_ATOL}"
+    assert index_regret <= INDEX_REGRET_TOL, f"indexer top-k regret {index_regret:.3f}"
+    assert route_regret <= ROUTE_REGRET_TOL, f"expert routing regret {route_regret:.3f}"
