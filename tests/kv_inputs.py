@@ -63,7 +63,9 @@ def norm_rope_args(seed: int, n: int, page_size: int, pages: int, heads: int = 0
     g = gen(seed)
     args = dict(
         kv=bf16_rows(g, n, L.HEAD_DIM, pad=96),
-        weight=(torch.rand(L.HEAD_DIM, generator=g) + 0.5).to(weight_dtype),
+        # magnitudes 0.5..1.5 with random signs (zeros times negative weights give -0.0)
+        weight=((torch.rand(L.HEAD_DIM, generator=g) + 0.5)
+                * torch.randint(0, 2, (L.HEAD_DIM,), generator=g).mul(2).sub(1)).to(weight_dtype),
         eps=1e-6,
         freqs_cis=freqs_cis(g),
         positions=strided(torch.randint(0, MAX_POS, (n,), generator=g,

@@ -139,13 +139,16 @@ def test_fused_translate_norm_rope_store(flag_env, dialect, page_size, n, map_dt
 
 def fp8_tie_rows(n, g):
     """bf16 rows whose first tile is scaled to exactly 1 and holds values halfway between fp8
-    neighbours (1 + 2^-4 sits between 1 and 1.125 in e4m3): round-to-nearest-even decides."""
+    neighbours (1 + 2^-4 sits between 1 and 1.125 in e4m3): round-to-nearest-even decides; plus
+    -0.0 and a tiny negative that rounds to zero (fnuz has no -0: its 0x80 is NaN)."""
     rows = bf16_rows(g, n, L.HEAD_DIM)
     k = torch.arange(32, dtype=torch.float32)
     ties = (1 + (2 * (k % 8) + 1) / 16) * 2.0 ** (k // 8 - 3)     # 1.0625, 1.1875, ... in 4 binades
     tile = torch.cat([ties, -ties]).to(torch.bfloat16)
     rows[:, :64] = tile
-    rows[:, 0] = 240                                               # amax 240: scale 1 (fnuz)
+    rows[:, 0] = 240                                               # amax 240: scale 1 (both)
+    rows[:, 1] = -0.0
+    rows[:, 2] = -2.0 ** -12
     return rows
 
 
