@@ -140,3 +140,63 @@ def test_paged_logits_match_the_dense_reference(model, monkeypatch, prompt_len, 
     assert diff <= LOGIT_ATOL, f"max |logit difference| {diff:.4f} > {LOGIT_ATOL}"
     assert index_regret <= INDEX_REGRET_TOL, f"indexer top-k regret {index_regret:.3f}"
     assert route_regret <= ROUTE_REGRET_TOL, f"expert routing regret {route_regret:.3f}"
+
+
+def _no_previous_window(comp, kv, score, has_prev=None):
+    return _POOL(comp, kv, score, torch.zeros_like(has_prev) if has_prev is not None else None)
+
+
+def _no_sink(attn, q, kv, valid):
+    with torch.no_grad():
+        saved = attn.attn_sink.clone()
+        attn.attn_sink.fill_(float("-inf"))
+        try:
+            return _SPARSE(attn, q, kv, valid)
+        finally:
+            attn.attn_sink.copy_(saved)
+
+
+from dsv4.layers.attention import Attention  # noqa: E402
+from dsv4.layers.compressor import Compressor  # noqa: E402
+
+_POOL, _SPARSE = Compressor.pool, Attention.sparse_attention
+
+
+@pytest.mark.parametrize("target, mutant", [
+    (Compressor, ("pool", _no_previous_window)),       # C4 overlap without the previous window
+    (Attention, ("sparse_attention", _no_sink)),       # the sink left out of the denominator
+])
+def test_the_comparison_catches_a_semantic_mistake(model, monkeypatch, target, mutant):
+    """Proof that the comparison can fail: each mutant of the paged path exceeds LOGIT_ATOL."""
+    monkeypatch.setattr(target, *mutant)
+    diff, *_ = run_and_compare(model, monkeypatch, 40, 6, seed=5)
+    assert diff > LOGIT_ATOL
+
+
+def test_a_mixed_length_batch_matches_each_request_alone(model):
+    """Batch composition changes only the order of fp32 sums (small-M GEMMs take other kernels),
+    so per-request logits agree to the same LOGIT_ATOL (measured: ~1e-6 typically, 0.03 worst,
+    when a bf16 rounding flips)."""
+    g = torch.Generator().manual_seed(11)
+    lens, steps = [7, 130, 250], 8
+    prompts = [torch.randint(0, TINY.vocab_size, (n,), generator=g).tolist() for n in lens]
+    forced = [torch.randint(0, TINY.vocab_size, (steps,), generator=g).tolist() for _ in lens]
+    engine = Engine(model, max_batch=4, max_context_len=MAX_LEN)
+    together = engine.generate(prompts, steps, return_logits=True, forced_tokens=forced)
+    assert together.logits.shape == (3, steps, TINY.vocab_size)
+    for i in range(3):
+        alone = engine.generate([prompts[i]], steps, return_logits=True, forced_tokens=[forced[i]])
+        diff = (together.logits[i] - alone.logits[0]).abs().max().item()
+        assert diff <= LOGIT_ATOL, f"request {i} (prompt {lens[i]}): {diff:.4f}"
+    assert engine.allocator.full_available_size() == engine.allocator.size_full
+
+
+def test_greedy_generation_is_deterministic_and_frees_its_pages(model):
+    engine = Engine(model, max_batch=2, max_context_len=MAX_LEN)
+    a = engine.generate([[1, 2, 3], [4, 5, 6, 7, 8]], 5)
+    b = engine.generate([[1, 2, 3], [4, 5, 6, 7, 8]], 5)
+    assert a.tokens == b.tokens and all(len(t) == 5 for t in a.tokens) and a.logits is None
+    assert engine.allocator.full_available_size() == engine.allocator.size_full
+    assert engine.allocator.swa_available_size() == engine.allocator.size_swa
+    with pytest.raises(ValueError, match="max_context_len"):
+        engine.generate([[1] * MAX_LEN], 2)
