@@ -24,8 +24,10 @@ def _norm_rope_kv_row(kv_row, weight_ptr, eps, freq_row, freq_stride_pair, cache
     nope = load_nope(kv_row).to(tl.float32)
     rope = load_rope(kv_row + NOPE_DIM).to(tl.float32)
     r = rms_inverse(nope, rope, eps)
-    nope = (load_nope(weight_ptr).to(tl.float32) * (nope * r)).to(tl.bfloat16).to(tl.float32)
-    rope = (load_rope(weight_ptr + NOPE_DIM).to(tl.float32) * (rope * r)).to(tl.bfloat16).to(tl.float32)
+    w_nope = load_nope(weight_ptr).to(tl.float32)
+    w_rope = load_rope(weight_ptr + NOPE_DIM).to(tl.float32)
+    nope = (w_nope * (nope * r)).to(tl.bfloat16).to(tl.float32)
+    rope = (w_rope * (rope * r)).to(tl.bfloat16).to(tl.float32)
     nope_bytes, scale_bytes = quantize_tiles(nope, FP8, FP8_MAX)
     rope = rotate_pairs(rope, freq_row, freq_stride_pair)
     store_kv_row(cache_ptr, loc, keep, nope_bytes, rope, scale_bytes, PAGE_SIZE, PAGE_BYTES)
@@ -108,7 +110,8 @@ def fused_translate_norm_rope_store(kv, weight, eps, freqs_cis, positions, full_
 
 
 @triton.jit
-def store_cache_kernel(rows_ptr, row_stride, loc_ptr, loc_stride, cache_ptr, PAGE_SIZE: tl.constexpr,
+def store_cache_kernel(rows_ptr, row_stride, loc_ptr, loc_stride, cache_ptr,
+                       PAGE_SIZE: tl.constexpr,
                        PAGE_BYTES: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr):
     """Quantize and store one already normalized and rotated bf16 row per program."""
     row = tl.program_id(0).to(tl.int64)
@@ -173,5 +176,6 @@ def indexer_store(k, cache, out_loc, page_size, dialect) -> None:
     if k.shape[0] == 0:
         return
     indexer_store_kernel[(k.shape[0],)](
-        k, k.stride(0), out_loc, out_loc.stride(0), cache, PAGE_SIZE=page_size, FP8=fp8_type(dialect),
+        k, k.stride(0), out_loc, out_loc.stride(0), cache, PAGE_SIZE=page_size,
+        FP8=fp8_type(dialect),
         FP8_MAX=dialect.max, **LAUNCH_OPTIONS)

@@ -1,13 +1,12 @@
 """Ahead-of-time compile of the Triton set-KV kernels for AMD targets, without a GPU.
 
-    python -m hip_kernels.triton_aot [--arch gfx942 gfx950] [--json]
-
-prints, per kernel variant, the VGPR/SGPR counts, scratch bytes and the hardware fp8 converts
-used (`v_cvt_pk_fp8_f32` on gfx942; none means software emulation or no fp8 arithmetic). Must run in a process where the Triton interpreter is off
-(TRITON_INTERPRET unset): it compiles the real kernels, not their interpreted versions.
-Each target is compiled with its native fp8 dialect (fnuz on gfx942, OCP on gfx950), the
-launchers' options, and what the JIT specializes at run time for torch tensors: pointers and row
-strides divisible by 16 (so bf16 rows load 16 bytes per lane).
+`report()` gives, per kernel variant, the VGPR/SGPR counts, scratch bytes and the hardware fp8
+converts used (`v_cvt_pk_fp8_f32` on gfx942; none means software emulation or no fp8
+arithmetic); `scripts/triton_aot_report.py` prints it. Must run in a process where the Triton
+interpreter is off (TRITON_INTERPRET unset): it compiles the real kernels, not their interpreted
+versions. Each target is compiled with its native fp8 dialect (fnuz on gfx942, OCP on gfx950),
+the launchers' options, and what the JIT specializes at run time for torch tensors (see
+`_variants`).
 """
 
 from __future__ import annotations

@@ -48,7 +48,8 @@ def kv_value_offset(loc, PAGE_SIZE: tl.constexpr, PAGE_BYTES: tl.constexpr):
 def kv_scale_offset(loc, PAGE_SIZE: tl.constexpr, PAGE_BYTES: tl.constexpr):
     """int64 byte offset of a location's 8 scale bytes: page * PAGE_BYTES + P*576 + t * 8."""
     loc = loc.to(tl.int64)
-    return (loc // PAGE_SIZE) * PAGE_BYTES + PAGE_SIZE * VALUE_BYTES + (loc % PAGE_SIZE) * SCALE_BYTES
+    return ((loc // PAGE_SIZE) * PAGE_BYTES + PAGE_SIZE * VALUE_BYTES
+            + (loc % PAGE_SIZE) * SCALE_BYTES)
 
 
 @triton.jit

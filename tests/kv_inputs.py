@@ -57,7 +57,8 @@ def indexer_cache(pages: int, page_size: int) -> torch.Tensor:
 
 
 def norm_rope_args(seed: int, n: int, page_size: int, pages: int, heads: int = 0,
-                   loc_dtype=torch.int64, weight_dtype=torch.bfloat16, index_stride: int = 1) -> dict:
+                   loc_dtype=torch.int64, weight_dtype=torch.bfloat16,
+                   index_stride: int = 1) -> dict:
     """Keyword arguments of fused_k_norm_rope_store (q included when heads > 0; positions and
     out_loc with element stride index_stride)."""
     g = gen(seed)

@@ -71,7 +71,8 @@ def test_read_kv_rows_round_trip(flag_env, backend, dialect):
     icache = indexer_cache(2, 64)
     hip_kernels.indexer_store(k, icache, loc, 64)
     q, scale = L.quantize_indexer_rows(k, d)
-    assert torch.equal(hip_kernels.read_indexer_rows(icache, loc, 64, d), q.float() * scale[:, None])
+    got_k = hip_kernels.read_indexer_rows(icache, loc, 64, d)
+    assert torch.equal(got_k, q.float() * scale[:, None])
 
 
 def _bad(**changes):

@@ -32,7 +32,8 @@ def use_backend(flag_env, backend, dialect):
 
 
 def bf16(x: np.ndarray) -> np.ndarray:
-    return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).to(torch.bfloat16).float().numpy()
+    t = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+    return t.to(torch.bfloat16).float().numpy()
 
 
 def ulp_bf16(v: np.ndarray) -> np.ndarray:

@@ -188,7 +188,8 @@ def test_store_kv_pack(flag_env, dialect, page_size, n):
 def test_indexer_store(flag_env, dialect, page_size, n, dtype):
     g = gen(n)
     pages = pages_for(n, page_size)
-    args = dict(k=bf16_rows(g, n, L.INDEX_DIM, pad=32).to(dtype), cache=indexer_cache(pages, page_size),
+    args = dict(k=bf16_rows(g, n, L.INDEX_DIM, pad=32).to(dtype),
+                cache=indexer_cache(pages, page_size),
                 out_loc=locations(g, n, pages * page_size, torch.int32), page_size=page_size)
     res = run_backends(flag_env, dialect, "indexer_store", args)
     assert_same(res, "cache")

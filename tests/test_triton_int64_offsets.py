@@ -17,7 +17,8 @@ import triton.language as tl  # noqa: E402
 import hip_kernels  # noqa: E402
 from hip_kernels import kv_layout as L  # noqa: E402
 from hip_kernels.platform import default_device  # noqa: E402
-from hip_kernels.triton_kv_row import indexer_offsets, kv_scale_offset, kv_value_offset  # noqa: E402
+from hip_kernels.triton_kv_row import (indexer_offsets, kv_scale_offset,  # noqa: E402
+                                       kv_value_offset)
 from kv_inputs import bf16_rows, clone_args, gen, norm_rope_args  # noqa: E402
 from triton_interp_shim import interpreter_shim  # noqa: E402,F401 (autouse fixture)
 
@@ -92,7 +93,8 @@ def far_locations(page_size, page_bytes, capacity, dtype):
                                           ("indexer_store", torch.int64)])
 def test_kernels_write_past_4gib(flag_env, op, loc_dtype):
     page_size = 256 if op == "fused_k_norm_rope_store" else 64
-    page_bytes = (L.page_bytes if op == "fused_k_norm_rope_store" else L.indexer_page_bytes)(page_size)
+    layout_bytes = L.page_bytes if op == "fused_k_norm_rope_store" else L.indexer_page_bytes
+    page_bytes = layout_bytes(page_size)
     results = {}
     for backend in ("torch", "triton"):
         flag_env(DSV4_KERNEL_BACKEND=backend, DSV4_FP8_DIALECT="fnuz")

@@ -32,7 +32,8 @@ def _convert_float(input, input_dtype, output_dtype, rounding_mode):
     if rounding_mode not in (None, interpreter._ir.ROUNDING_MODE.RTNE):
         raise NotImplementedError(f"shim: rounding mode {rounding_mode}")
     shape = np.shape(input)
-    bits = np.ascontiguousarray(input).reshape(-1).view(_SAME_WIDTH_INT[input_dtype.primitive_bitwidth])
+    width = _SAME_WIDTH_INT[input_dtype.primitive_bitwidth]
+    bits = np.ascontiguousarray(input).reshape(-1).view(width)
     x = torch.from_numpy(bits).view(_TORCH_FLOATS[input_dtype])
     y = x.to(_TORCH_FLOATS[output_dtype])
     return y.view(getattr(torch, f"int{output_dtype.primitive_bitwidth}")).numpy().reshape(shape)
