@@ -94,6 +94,11 @@ def clone_args(args: dict) -> dict:
     return out
 
 
+def to_device(args: dict, device) -> dict:
+    """args with every tensor moved to device (the GPU run of the tests; a no-op on a CPU)."""
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+
+
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit-exact equality (NaN-safe) of two tensors of the same dtype and shape."""
     if a.dtype != b.dtype or a.shape != b.shape:

@@ -8,7 +8,11 @@ import torch
 
 import hip_kernels
 from hip_kernels import kv_layout as L
-from kv_inputs import SENTINEL, bf16_rows, clone_args, gen, indexer_cache, kv_cache, norm_rope_args
+from hip_kernels.platform import default_device
+from kv_inputs import (SENTINEL, bf16_rows, clone_args, gen, indexer_cache, kv_cache,
+                       norm_rope_args, to_device)
+
+DEV = default_device()
 
 BACKENDS = ["torch"] + (["triton"] if importlib.util.find_spec("triton") else [])
 if "triton" in BACKENDS:
@@ -35,9 +39,11 @@ def test_hand_built_row_lands_in_place(flag_env, backend, page_size, page, t):
     rope = torch.arange(L.ROPE_DIM, dtype=torch.float32).to(torch.bfloat16)
     rope[0] = 1.0                                                      # bf16 0x3F80
     scales = torch.arange(120, 127, dtype=torch.uint8)
-    cache = kv_cache(3, page_size)
-    hip_kernels.store_kv_pack(nope_bytes.view(torch.float8_e4m3fn)[None], rope[None], scales[None],
-                              cache, torch.tensor([page * page_size + t]), page_size)
+    args = to_device(dict(nope_fp8=nope_bytes.view(torch.float8_e4m3fn)[None], rope_bf16=rope[None],
+                          scales=scales[None], cache=kv_cache(3, page_size),
+                          out_loc=torch.tensor([page * page_size + t]), page_size=page_size), DEV)
+    hip_kernels.store_kv_pack(**args)
+    cache = args["cache"].cpu()
 
     row = cache[page]
     value = row[t * 576:(t + 1) * 576]
@@ -59,16 +65,16 @@ def test_hand_built_row_lands_in_place(flag_env, backend, page_size, page, t):
 def test_read_kv_rows_round_trip(flag_env, backend, dialect):
     flag_env(DSV4_KERNEL_BACKEND=backend, DSV4_FP8_DIALECT=dialect)
     d = hip_kernels.fp8_dialect()
-    rows = bf16_rows(gen(2), 6, L.HEAD_DIM)
-    loc = torch.tensor([5, 0, 63, 64, 100, 127])
-    cache = kv_cache(2, 64)
+    rows = bf16_rows(gen(2), 6, L.HEAD_DIM).to(DEV)
+    loc = torch.tensor([5, 0, 63, 64, 100, 127], device=DEV)
+    cache = kv_cache(2, 64).to(DEV)
     hip_kernels.fused_store_cache(rows, cache, loc, 64)
     got = hip_kernels.read_kv_rows(cache, loc, 64, d)
     assert torch.equal(got, hip_kernels.dequantize_kv_rows(*hip_kernels.quantize_kv_rows(rows, d)))
     assert torch.equal(got[:, L.NOPE_DIM:], rows[:, L.NOPE_DIM:].float())
 
-    k = bf16_rows(gen(3), 6, L.INDEX_DIM)
-    icache = indexer_cache(2, 64)
+    k = bf16_rows(gen(3), 6, L.INDEX_DIM).to(DEV)
+    icache = indexer_cache(2, 64).to(DEV)
     hip_kernels.indexer_store(k, icache, loc, 64)
     q, scale = L.quantize_indexer_rows(k, d)
     got_k = hip_kernels.read_indexer_rows(icache, loc, 64, d)

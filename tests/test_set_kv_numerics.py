@@ -13,8 +13,10 @@ import torch
 
 import hip_kernels
 from hip_kernels import kv_layout as L
-from kv_inputs import bf16_rows, clone_args, gen, indexer_cache, norm_rope_args
+from hip_kernels.platform import default_device
+from kv_inputs import bf16_rows, clone_args, gen, indexer_cache, norm_rope_args, to_device
 
+DEV = default_device()
 BACKENDS = ["torch", "triton"]
 FP8_MIN_NORMAL_EXP = {"fnuz": -7, "ocp": -6}
 FP8_MANTISSA_BITS = 3
@@ -73,7 +75,9 @@ def test_norm_rope_store_numerics(flag_env, backend, dialect):
     page_size, n = 64, 16
     args = clone_args(norm_rope_args(11, n, page_size, 3, heads=2))
     q_in = args["q"].float().numpy()
-    hip_kernels.fused_k_norm_rope_store(**args)
+    on_dev = to_device(args, DEV)
+    hip_kernels.fused_k_norm_rope_store(**on_dev)
+    args = to_device(on_dev, "cpu")
 
     keep = args["out_loc"] >= 0
     loc = args["out_loc"][keep]
@@ -114,7 +118,9 @@ def test_indexer_store_numerics(flag_env, backend, dialect):
     k = bf16_rows(gen(4), n, L.INDEX_DIM)
     cache = indexer_cache(2, page_size)
     loc = torch.randperm(2 * page_size, generator=gen(5))[:n]
-    hip_kernels.indexer_store(k, cache, loc, page_size)
+    on_dev = to_device(dict(k=k, cache=cache, out_loc=loc, page_size=page_size), DEV)
+    hip_kernels.indexer_store(**on_dev)
+    cache = on_dev["cache"].cpu()
     d = hip_kernels.fp8_dialect()
     got = hip_kernels.read_indexer_rows(cache, loc, page_size, d).numpy()
     kf = k.float().numpy()

@@ -20,7 +20,7 @@ from hip_kernels import kv_layout as L  # noqa: E402
 from hip_kernels.backend import resolve  # noqa: E402
 from hip_kernels.platform import default_device  # noqa: E402
 from kv_inputs import (SENTINEL, bf16_rows, clone_args, gen, indexer_cache, kv_cache,  # noqa: E402
-                       locations, norm_rope_args, same_bytes, strided)
+                       locations, norm_rope_args, same_bytes, strided, to_device)
 from triton_interp_shim import interpreter_shim  # noqa: E402,F401 (autouse fixture)
 
 DEV = default_device()
@@ -33,10 +33,9 @@ def run_backends(flag_env, dialect, op, args):
     for backend in ("torch", "triton"):
         flag_env(DSV4_KERNEL_BACKEND=backend, DSV4_FP8_DIALECT=dialect)
         assert resolve(op, DEV) == backend
-        a = clone_args(args)
-        a = {k: v.to(DEV) if isinstance(v, torch.Tensor) else v for k, v in a.items()}
+        a = to_device(clone_args(args), DEV)
         getattr(hip_kernels, op)(**a)
-        results[backend] = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in a.items()}
+        results[backend] = to_device(a, "cpu")
     return results
 
 
@@ -201,15 +200,15 @@ def test_all_rows_skipped_write_nothing(flag_env, dialect):
     flag_env(DSV4_KERNEL_BACKEND="triton", DSV4_FP8_DIALECT=dialect)
     args = norm_rope_args(3, 6, 64, 2, heads=1)
     args["out_loc"][:] = -1
-    a = clone_args(args)
+    a = to_device(clone_args(args), DEV)
     hip_kernels.fused_k_norm_rope_store(**a)
     assert bool((a["cache"] == SENTINEL).all())
-    assert not same_bytes(a["q"], args["q"]), "q is normalized even for skipped rows"
-    rows = bf16_rows(gen(1), 6, L.HEAD_DIM)
-    cache = kv_cache(2, 64)
-    hip_kernels.fused_store_cache(rows, cache, torch.full((6,), -1), 64)
-    icache = indexer_cache(2, 64)
-    hip_kernels.indexer_store(rows[:, :L.INDEX_DIM].contiguous(), icache, torch.full((6,), -1), 64)
+    assert not same_bytes(a["q"].cpu(), args["q"]), "q is normalized even for skipped rows"
+    rows = bf16_rows(gen(1), 6, L.HEAD_DIM).to(DEV)
+    skip = torch.full((6,), -1, device=DEV)
+    cache, icache = kv_cache(2, 64).to(DEV), indexer_cache(2, 64).to(DEV)
+    hip_kernels.fused_store_cache(rows, cache, skip, 64)
+    hip_kernels.indexer_store(rows[:, :L.INDEX_DIM].contiguous(), icache, skip, 64)
     assert bool((cache == SENTINEL).all()) and bool((icache == SENTINEL).all())
 
 

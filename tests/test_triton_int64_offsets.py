@@ -19,7 +19,7 @@ from hip_kernels import kv_layout as L  # noqa: E402
 from hip_kernels.platform import default_device  # noqa: E402
 from hip_kernels.triton_kv_row import (indexer_offsets, kv_scale_offset,  # noqa: E402
                                        kv_value_offset)
-from kv_inputs import bf16_rows, clone_args, gen, norm_rope_args  # noqa: E402
+from kv_inputs import bf16_rows, clone_args, gen, norm_rope_args, to_device  # noqa: E402
 from triton_interp_shim import interpreter_shim  # noqa: E402,F401 (autouse fixture)
 
 DEV = default_device()
@@ -52,10 +52,10 @@ def large_locations(page_size, dtype):
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 def test_offset_helpers_are_64_bit(page_size, dtype):
     loc = large_locations(page_size, dtype)
-    out = torch.zeros(len(loc), 4, dtype=torch.int64)
-    offsets_kernel[(1,)](loc.to(DEV), out_dev := out.to(DEV), N=len(loc), PAGE_SIZE=page_size,
+    out = torch.zeros(len(loc), 4, dtype=torch.int64, device=DEV)
+    offsets_kernel[(1,)](loc.to(DEV), out, N=len(loc), PAGE_SIZE=page_size,
                          PAGE_BYTES=L.page_bytes(page_size))
-    got = out_dev.cpu()
+    got = out.cpu()
     l64 = loc.long()
     ibase = (l64 // page_size) * L.indexer_page_bytes(page_size)
     want = torch.stack([L.value_offset(loc, page_size), L.scale_offset(loc, page_size),
@@ -103,7 +103,7 @@ def test_kernels_write_past_4gib(flag_env, op, loc_dtype):
         if op == "fused_k_norm_rope_store":
             args = clone_args(norm_rope_args(5, len(loc), page_size, 2))
             args.update(cache=cache, out_loc=loc)
-            args = {k: v.to(DEV) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+            args = to_device(args, DEV)
         else:
             args = dict(k=bf16_rows(gen(5), len(loc), L.INDEX_DIM).to(DEV), cache=cache,
                         out_loc=loc.to(DEV), page_size=page_size)
