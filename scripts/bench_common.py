@@ -339,3 +339,7 @@ def write_json(path: str | os.PathLike, record: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1, allow_nan=False) + "\n")
     return path
+
+
+if __name__ == "__main__":  # the environment record alone, as JSON (used by mi300_sweep.sh)
+    print(json.dumps(environment(), indent=1))

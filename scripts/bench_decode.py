@@ -27,7 +27,9 @@ Output JSON (beyond bench_common's record keys):
   "results": one row per (config, concurrency, context_len): config, env, concurrency,
       context_len, new_tokens, decode_steps, itl_ms_p50, itl_ms_p90, itl_ms_mean, prefill_ms,
       decode_tokens_per_s (concurrency * steps / decode time), e2e_tokens_per_s (all new tokens
-      / generate wall time), swa_translations_per_step, swa_cache_hits_per_step, graph_used,
+      / generate wall time), swa_translations_per_step and swa_cache_hits_per_step (the pool's
+      counters; null when graphs were replayed: the gathers then run inside the graph, see
+      bench_swa_translation for the captured count), graph_used (a graph runner replayed),
       flags (as the worker saw them), itl_p50_vs_default (ratio; null without a default row)
   "errors": [{"config", "concurrency", "context_len", "error"}] for cases or workers that failed
 
@@ -161,6 +163,7 @@ def run_case(model, spec: dict, concurrency: int, context_len: int) -> dict:
     bounds = clock.starts + [end]
     itl = sorted((b - a) * 1e3 for a, b in zip(bounds, bounds[1:]))
     decode_s = end - clock.starts[0]
+    graph_used = clock.replays > 0
     stats = engine.pool.swa_loc_stats
     translations, hits = (now - first for now, first in zip((stats.translations, stats.hits),
                                                              clock.swa_stats[0]))
@@ -173,9 +176,10 @@ def run_case(model, spec: dict, concurrency: int, context_len: int) -> dict:
         "prefill_ms": round((clock.starts[0] - t0) * 1e3, 3),
         "decode_tokens_per_s": round(concurrency * steps / decode_s, 3),
         "e2e_tokens_per_s": round(concurrency * new_tokens / (end - t0), 3),
-        "swa_translations_per_step": round(translations / steps, 3),
-        "swa_cache_hits_per_step": round(hits / steps, 3),
-        "graph_used": clock.replays > 0,
+        # Replayed graphs gather inside the graph, unseen by the pool's counters.
+        "swa_translations_per_step": None if graph_used else round(translations / steps, 3),
+        "swa_cache_hits_per_step": None if graph_used else round(hits / steps, 3),
+        "graph_used": graph_used,
     }
 
 

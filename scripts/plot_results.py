@@ -1,0 +1,136 @@
+"""PNG plots of a results directory (needs matplotlib: `pip install -e ".[bench]"`).
+
+Writes, for the files present:
+  swa_translation.png   us per decode step vs batch, one line per method, a panel per
+                        (model, mode), with the 8 us/layer anchor as a dashed line
+  set_kv.png            p50 us vs N, one line per (op, backend)
+  <decode file>_itl.png ITL p50 vs concurrency, one line per flag configuration, a panel per
+                        context length; <decode file>_tokens_per_s.png likewise for tokens/s
+Without matplotlib it prints why and writes nothing (exit status 0): plots are optional.
+
+Run: python scripts/plot_results.py results/<timestamp>
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+MISSING = "matplotlib is not installed: no plots (pip install -e \".[bench]\")"
+
+
+def _panels(plt, n: int, title: str):
+    fig, axes = plt.subplots(1, n, figsize=(5 * n, 4), squeeze=False)
+    fig.suptitle(title)
+    return fig, axes[0]
+
+
+def _log_x(ax, values) -> None:
+    """A log2 x axis labelled with the values measured."""
+    values = sorted(set(values))
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(values, [str(v) for v in values])
+    ax.minorticks_off()
+
+
+def _save(fig, path: Path, written: list[Path]) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    written.append(path)
+
+
+def plot_swa(plt, rec: dict, out_dir: Path, written: list[Path]) -> None:
+    anchor = rec.get("anchor_us_per_layer")
+    groups = defaultdict(lambda: defaultdict(list))
+    for r in rec["results"]:
+        groups[(r["model"], r["n_layers"], r["mode"])][r["method"]].append(
+            (r["batch"], r["us_per_step_p50"]))
+    fig, axes = _panels(plt, len(groups), "SWA slots for all layers: us per decode step (p50)")
+    for ax, ((model, n_layers, mode), methods) in zip(axes, sorted(groups.items())):
+        for method, points in sorted(methods.items()):
+            points.sort()
+            ax.plot(*zip(*points), marker="o", label=method)
+        if anchor:
+            ax.axhline(anchor * n_layers, linestyle="--", color="gray",
+                       label=f"anchor {anchor:g} us/layer x {n_layers}")
+        ax.set(title=f"{model} ({n_layers} layers), {mode}", xlabel="batch", ylabel="us/step",
+               yscale="log")
+        _log_x(ax, [b for points in methods.values() for b, _ in points])
+        ax.legend(fontsize=7)
+    _save(fig, out_dir / "swa_translation.png", written)
+
+
+def plot_set_kv(plt, rec: dict, out_dir: Path, written: list[Path]) -> None:
+    lines = defaultdict(list)
+    for r in rec["results"]:
+        lines[(r["op"], r["backend"])].append((r["n"], r["p50_us"]))
+    fig, axes = _panels(plt, 1, "set-KV ops: p50 us per call")
+    for (op, backend), points in sorted(lines.items()):
+        points.sort()
+        axes[0].plot(*zip(*points), marker="o", label=f"{op} [{backend}]")
+    axes[0].set(xlabel="rows N", ylabel="us", yscale="log")
+    _log_x(axes[0], [n for points in lines.values() for n, _ in points])
+    axes[0].legend(fontsize=7)
+    _save(fig, out_dir / "set_kv.png", written)
+
+
+def plot_decode(plt, name: str, rec: dict, out_dir: Path, written: list[Path]) -> None:
+    for metric, label in (("itl_ms_p50", "ITL p50 (ms)"),
+                          ("decode_tokens_per_s", "decode tokens/s")):
+        contexts = sorted({r["context_len"] for r in rec["results"]})
+        fig, axes = _panels(plt, len(contexts), f"{name}: {label}")
+        for ax, ctx in zip(axes, contexts):
+            lines = defaultdict(list)
+            for r in rec["results"]:
+                if r["context_len"] == ctx:
+                    lines[r["config"]].append((r["concurrency"], r[metric]))
+            for config, points in sorted(lines.items()):
+                points.sort()
+                ax.plot(*zip(*points), marker="o", label=config)
+            ax.set(title=f"context {ctx}", xlabel="concurrency", ylabel=label)
+            _log_x(ax, [c for points in lines.values() for c, _ in points])
+            ax.legend(fontsize=7)
+        suffix = "itl" if metric == "itl_ms_p50" else "tokens_per_s"
+        _save(fig, out_dir / f"{name}_{suffix}.png", written)
+
+
+def plot_all(results_dir: Path) -> list[Path]:
+    """The PNGs written (none without matplotlib or results)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(MISSING)
+        return []
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written: list[Path] = []
+    swa = results_dir / "bench_swa_translation.json"
+    if swa.exists():
+        plot_swa(plt, json.loads(swa.read_text()), results_dir, written)
+    set_kv = results_dir / "bench_set_kv.json"
+    if set_kv.exists():
+        plot_set_kv(plt, json.loads(set_kv.read_text()), results_dir, written)
+    for path in sorted(results_dir.glob("bench_decode*.json")):
+        rec = json.loads(path.read_text())
+        if rec["results"]:
+            plot_decode(plt, path.stem, rec, results_dir, written)
+    plt.close("all")
+    for path in written:
+        print(f"wrote {path}")
+    return written
+
+
+def main(argv=None) -> list[Path]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("results_dir", type=Path, help="a results/<timestamp> directory")
+    args = p.parse_args(argv)
+    if not args.results_dir.is_dir():
+        p.error(f"{args.results_dir} is not a directory")
+    return plot_all(args.results_dir)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,241 @@
+"""The benchmark scripts: bench_common's timing and launch counting, bench_swa_translation and
+bench_decode in --quick mode (subprocesses writing the documented JSON), the summary of a
+fabricated results directory, optional plots, and the sweep script's syntax and dry run."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+import bench_common as bc  # noqa: E402
+import plot_results  # noqa: E402
+import summarize_results  # noqa: E402
+
+SWA_ROW_KEYS = {"model", "n_layers", "batch", "mode", "method", "us_per_step_p50",
+                "us_per_step_p90", "us_per_layer", "launches_per_step", "host_syncs_per_step",
+                "translations_per_step", "launches_by_name"}
+DECODE_ROW_KEYS = {"config", "env", "concurrency", "context_len", "new_tokens", "decode_steps",
+                   "itl_ms_p50", "itl_ms_p90", "itl_ms_mean", "prefill_ms", "decode_tokens_per_s",
+                   "e2e_tokens_per_s", "swa_translations_per_step", "swa_cache_hits_per_step",
+                   "graph_used", "flags", "itl_p50_vs_default"}
+
+
+def run_script(name, *args, timeout=300):
+    return subprocess.run([sys.executable, str(SCRIPTS / name), *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def check_record(record, benchmark):
+    for key in bc.RECORD_KEYS:
+        assert key in record, key
+    assert record["benchmark"] == benchmark and record["quick"] is True
+    assert set(bc.ENV_KEYS) <= record["env"].keys()
+    assert record["env"]["torch"] == torch.__version__
+
+
+# ---- bench_common ---------------------------------------------------------------------------
+
+
+def test_percentiles_are_nearest_rank():
+    t = bc.Timing([float(v) for v in range(10, 0, -1)], "perf_counter")
+    assert (t.p50, t.p90) == (5.0, 9.0)
+    assert bc.Timing([3.0], "perf_counter").summary()["p90_us"] == 3.0
+
+
+def test_time_op_runs_warmup_then_reps():
+    calls = []
+    timing = bc.time_op(lambda: calls.append(1), warmup=3, reps=4)
+    assert len(calls) == 7 and len(timing.samples_us) == 4
+    assert timing.clock == ("cuda_event" if torch.cuda.is_available() else "perf_counter")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU proxy counter")
+def test_cpu_launch_counter_counts_data_work_and_host_syncs():
+    x = torch.arange(12)
+
+    def ops():
+        x.view(3, 4).t()               # views: no kernel
+        torch.empty(5)                 # allocation: no kernel
+        y = x * 2                      # one kernel
+        y.reshape(4, 3).t().contiguous()  # one copy
+        int(y.max())                   # a reduction and a host sync
+        x.tolist()                     # a host sync the profiler would not see
+
+    count = bc.count_launches(ops)
+    assert count.counter == "cpu_aten_ops"
+    assert count.by_name == {"aten::mul": 1, "aten::clone": 1, "aten::max": 1}
+    assert (count.launches, count.host_syncs) == (3, 2)
+    assert torch.Tensor.tolist.__qualname__ == "TensorBase.tolist"  # restored
+
+
+def test_environment_has_the_documented_keys():
+    env = bc.environment()
+    assert list(env) == list(bc.ENV_KEYS)
+    assert "DSV4_CACHE_SWA_TRANSLATION" in env["flags"]
+    json.dumps(env)
+
+
+# ---- the benchmark scripts ------------------------------------------------------------------
+
+
+def test_every_script_has_help():
+    names = ("bench_swa_translation.py", "bench_decode.py", "plot_results.py",
+             "summarize_results.py")
+    procs = {name: subprocess.Popen([sys.executable, str(SCRIPTS / name), "--help"],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name in names}  # in parallel: each one imports torch
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, (name, err)
+        assert "usage" in out, name
+        if name.startswith("bench_"):
+            assert "--quick" in out and "--out" in out, name
+
+
+@pytest.mark.slow
+def test_swa_translation_quick_writes_the_documented_json(tmp_path):
+    out = tmp_path / "swa.json"
+    proc = run_script("bench_swa_translation.py", "--quick", "--no-progress", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads(out.read_text())
+    check_record(record, "bench_swa_translation")
+    assert record["launch_counter"] == ("device_kernels" if torch.cuda.is_available()
+                                        else "cpu_aten_ops")
+    assert record["anchor_us_per_layer"] == 8.0
+    rows = record["results"]
+    assert {(r["n_layers"], r["batch"], r["mode"], r["method"]) for r in rows} == {
+        (n, b, mode, m) for n in (43, 61) for b in (1, 8) for mode in ("eager", "graph")
+        for m in ("per_layer", "start_layer", "identity_cache", "fused_translate",
+                  "fused_precomputed")}
+    gathers = {"per_layer": None, "start_layer": 1, "identity_cache": 1, "fused_translate": 0,
+               "fused_precomputed": 0}
+    for r in rows:
+        assert set(r) == SWA_ROW_KEYS
+        assert r["us_per_step_p50"] > 0 and r["launches_per_step"] > 0
+        want = r["n_layers"] if gathers[r["method"]] is None else gathers[r["method"]]
+        assert r["translations_per_step"] == want, r
+        if r["mode"] == "graph":
+            assert r["host_syncs_per_step"] == 0, r  # value checks are skipped in capture
+    for d in record["derived"]:
+        # the cache saves (n_layers - 1) translations of at least one launch each
+        assert d["launches_saved_per_step"] >= d["n_layers"] - 1
+        for key in ("translate_us_per_layer", "cache_saving_us_per_step",
+                    "start_layer_minus_cache_us_per_step", "fused_marginal_us_per_step",
+                    "fused_marginal_us_per_layer", "fused_marginal_launches_per_step"):
+            assert key in d
+
+
+@pytest.mark.slow
+def test_decode_quick_writes_the_documented_json(tmp_path):
+    out = tmp_path / "decode.json"
+    proc = run_script("bench_decode.py", "--quick", "--no-progress", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads(out.read_text())
+    check_record(record, "bench_decode")
+    assert record["errors"] == []
+    assert record["model"]["preset"] == "tiny" and record["model"]["reduced"] is False
+    names = [c["name"] for c in record["configs"]]
+    assert names == ["default", "DSV4_GRAPH=0", "DSV4_CACHE_SWA_TRANSLATION=0",
+                     "DSV4_MULTI_STREAM_PREPARE=1"]
+    rows = record["results"]
+    assert {(r["config"], r["concurrency"], r["context_len"]) for r in rows} == {
+        (n, c, 32) for n in names for c in (1, 4)}
+    n_layers = record["model"]["n_layers"]
+    for r in rows:
+        assert set(r) == DECODE_ROW_KEYS
+        assert r["decode_steps"] == r["new_tokens"] - 1 == 8
+        assert 0 < r["itl_ms_p50"] <= r["itl_ms_p90"]
+        assert r["decode_tokens_per_s"] > 0 and r["itl_p50_vs_default"] > 0
+        for flag, value in r["env"].items():  # the worker saw the configuration's flags
+            assert r["flags"][flag] == {"value": value, "source": "env"}
+        if not r["graph_used"]:
+            cache_on = r["config"] != "DSV4_CACHE_SWA_TRANSLATION=0"
+            assert r["swa_translations_per_step"] == (1 if cache_on else n_layers), r
+
+
+# ---- summary, plots, sweep ------------------------------------------------------------------
+
+
+def fabricated_results(tmp_path: Path) -> Path:
+    env = {"gpu_name": "AMD Instinct MI300X", "gpu_arch": "gfx942", "hip": "6.2",
+           "torch": "2.13.0+rocm6.2", "platform": {"fp8_dialect": "fnuz"},
+           "flags": {"DSV4_GRAPH": {"value": "1", "source": "default"}},
+           "rocm_smi_productname": "Card series: AMD Instinct MI300X"}
+    swa = {"quick": False, "launch_counter": "device_kernels", "graph_backend": "cuda", "results": [
+        {"model": "flash", "n_layers": 43, "batch": 8, "mode": "eager", "method": m,
+         "us_per_step_p50": us} for m, us in (("per_layer", 344.0), ("start_layer", 9.0),
+                                              ("identity_cache", 10.0))],
+        "derived": [{"model": "flash", "n_layers": 43, "batch": 8, "mode": "eager",
+                     "translate_us_per_layer": 8.0, "launches_saved_per_step": 84,
+                     "fused_marginal_us_per_layer": 0.25}]}
+    decode = {"quick": False, "model": {"preset": "flash", "n_layers": 4, "n_layers_full": 43,
+                                        "note": "flash shapes cut to 4/43 layers"},
+              "env": env, "notes": [], "errors": [
+                  {"config": "DSV4_KERNEL_BACKEND=hip", "concurrency": None,
+                   "context_len": None, "error": "worker exited with 1: no hipcc"}],
+              "results": [{"config": "default", "concurrency": 8, "context_len": 1024,
+                           "itl_ms_p50": 10.0, "itl_ms_p90": 12.0,
+                           "decode_tokens_per_s": 800.0, "itl_p50_vs_default": 1.0,
+                           "swa_translations_per_step": None, "graph_used": True}]}
+    d = tmp_path / "20260601T000000Z"
+    d.mkdir()
+    for name, rec in (("env", env), ("bench_swa_translation", swa), ("bench_decode", decode)):
+        (d / f"{name}.json").write_text(json.dumps(rec))
+    return d
+
+
+def test_summary_places_numbers_beside_the_anchors(tmp_path):
+    out = summarize_results.main([str(fabricated_results(tmp_path))])
+    text = out.read_text()
+    assert out.name == "summary.md"
+    assert "AMD Instinct MI300X" in text and "gfx942" in text
+    assert "Missing results: bench_set_kv" in text
+    assert "8 us/layer" in text and "pull/26931" in text
+    assert "| flash | 43 | 8 | eager | 344 | 9 | 10 | 8 | 1 | 84 | 0.25 |" in text
+    assert "| default | 8 | 1024 | 10 | 12 | 800 | 1 | - | True |" in text
+    assert "| 106 | 2256 |" in text                      # MI355X per-token latency anchor
+    assert "flash x10.8 layers (extrapolated)" in text  # 10 ms * 43/4
+    assert "| 108 |" in text
+    assert "No H200 per-token latency" in text
+    assert "worker exited with 1: no hipcc" in text
+
+
+def test_summary_of_an_empty_directory_lists_what_is_missing(tmp_path):
+    text = summarize_results.summarize(tmp_path)
+    assert ("Missing results: bench_swa_translation, bench_set_kv, bench_decode" in text)
+    assert "No environment record found" in text
+
+
+def test_plots_are_skipped_with_a_message_without_matplotlib(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import raises ImportError
+    assert plot_results.plot_all(fabricated_results(tmp_path)) == []
+    assert "matplotlib is not installed" in capsys.readouterr().out
+
+
+def test_plots_are_written_with_matplotlib(tmp_path):
+    pytest.importorskip("matplotlib")
+    written = plot_results.plot_all(fabricated_results(tmp_path))
+    assert sorted(p.name for p in written) == [
+        "bench_decode_itl.png", "bench_decode_tokens_per_s.png", "swa_translation.png"]
+    assert all(p.stat().st_size > 1000 for p in written)
+
+
+def test_sweep_script_parses_and_its_dry_run_runs_nothing(tmp_path):
+    sweep = SCRIPTS / "mi300_sweep.sh"
+    assert subprocess.run(["bash", "-n", str(sweep)]).returncode == 0
+    out_root = tmp_path / "results"
+    proc = subprocess.run(["bash", str(sweep), "--dry-run", "--quick", "--out-root",
+                           str(out_root)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for script in ("bench_common.py", "bench_swa_translation.py --quick",
+                   "bench_decode.py --quick", "plot_results.py", "summarize_results.py"):
+        assert f"scripts/{script}" in proc.stdout, script
+    assert not out_root.exists()
+    bad = subprocess.run(["bash", str(sweep), "--bogus"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown option" in bad.stderr
