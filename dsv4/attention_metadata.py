@@ -47,7 +47,8 @@ class AttentionMetadata:
     plans: dict[int, CompressPlan]
 
 
-def state_ring_rows(req_slots: torch.Tensor, positions: torch.Tensor, ring_size: int) -> torch.Tensor:
+def state_ring_rows(req_slots: torch.Tensor, positions: torch.Tensor,
+                    ring_size: int) -> torch.Tensor:
     """Ring row of (request slot, position): slot * ring_size + position % ring_size."""
     return req_slots * ring_size + positions % ring_size
 
@@ -100,7 +101,8 @@ def _compress_plan(batch, ratio, ring, pos, req, seq_len, first_new, full_loc, n
     qpos = p[:, None] - torch.arange(width - 1, -1, -1, device=dev)        # oldest first
     new = qpos >= first_new[tokens][:, None]
     src_new = torch.where(new, tokens[:, None] - (p[:, None] - qpos), -1)
-    src_state = torch.where(~new & (qpos >= 0), state_ring_rows(req[tokens][:, None], qpos, ring), -1)
+    ring_rows = state_ring_rows(req[tokens][:, None], qpos, ring)
+    src_state = torch.where(~new & (qpos >= 0), ring_rows, -1)
     window_start = p + 1 - ratio
     emit = (p + 1) % ratio == 0
     emit_loc = torch.where(emit, full_loc(req[tokens], window_start) // ratio, -1)

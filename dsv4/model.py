@@ -20,6 +20,7 @@ from .config import ModelConfig
 from .forward_batch import ForwardBatch
 from .layers import mhc
 from .layers.attention import Attention
+from .layers.linear import Linear
 from .layers.moe import MoE
 from .layers.norm import RMSNorm
 from .layers.rope import layer_freqs_cis
@@ -144,8 +145,7 @@ class DeepseekV4Model(nn.Module):
         self.layers = nn.ModuleList(DeepseekV4DecoderLayer(config, i, dtype, device)
                                     for i in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps, device=device)
-        self.head = nn.Linear(config.dim, config.vocab_size, bias=False, dtype=torch.float32,
-                              device=device)
+        self.head = Linear(config.dim, config.vocab_size, dtype=torch.float32, device=device)
         hc = config.hc_mult
         self.hc_head_fn = _f32(device, hc, hc * config.dim)
         self.hc_head_base = _f32(device, hc)
@@ -174,8 +174,8 @@ class DeepseekV4Model(nn.Module):
         if multi_stream is None:
             multi_stream = envs.MULTI_STREAM_PREPARE.get()
         meta = build_attention_metadata(
-            batch, req_to_token, token_to_kv_pool.full_to_swa_index_mapping, self.config.window_size,
-            self.compress_ratios(), max_rows)
+            batch, req_to_token, token_to_kv_pool.full_to_swa_index_mapping,
+            self.config.window_size, self.compress_ratios(), max_rows)
         x = self.embed_tokens(batch.input_ids)
         for layer in self.layers:
             x = layer(x, batch, meta, token_to_kv_pool, self.layer_freqs(layer), multi_stream)

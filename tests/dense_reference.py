@@ -50,7 +50,8 @@ def rope_inv_freq(cfg, ratio):
     inv = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
     if ratio and cfg.original_seq_len > 0:
         def corr_dim(rotations):
-            return dim * math.log(cfg.original_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+            turns = cfg.original_seq_len / (rotations * 2 * math.pi)
+            return dim * math.log(turns) / (2 * math.log(base))
         low = max(math.floor(corr_dim(cfg.beta_fast)), 0)
         high = min(math.ceil(corr_dim(cfg.beta_slow)), dim - 1)
         if low == high:

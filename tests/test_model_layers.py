@@ -77,7 +77,8 @@ def test_hc_pre_post_match_the_dense_restatement():
     torch.testing.assert_close(y, ref.hc_combine(x, pre_r))
     torch.testing.assert_close(comb, comb_r)
     out = torch.randn(6, 64).to(torch.bfloat16)
-    torch.testing.assert_close(mhc.hc_post(out, x, post, comb), ref.hc_expand(out, x, post_r, comb_r))
+    torch.testing.assert_close(mhc.hc_post(out, x, post, comb),
+                               ref.hc_expand(out, x, post_r, comb_r))
 
 
 def test_e2m1_rounding_is_nearest_even_on_the_grid():

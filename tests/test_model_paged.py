@@ -200,3 +200,37 @@ def test_greedy_generation_is_deterministic_and_frees_its_pages(model):
     assert engine.allocator.swa_available_size() == engine.allocator.size_swa
     with pytest.raises(ValueError, match="max_context_len"):
         engine.generate([[1] * MAX_LEN], 2)
+
+
+def test_an_extend_that_continues_a_prefix_matches_one_extend(model):
+    """Chunked prefill: the later chunks read their compressors' earlier windows from the state
+    rings. The same ops run on the same rows (identical on this CPU); only GEMM row blocking may
+    differ elsewhere, hence LOGIT_ATOL."""
+    from dsv4.forward_batch import ForwardBatch, ForwardMode
+
+    tokens = torch.randint(0, TINY.vocab_size, (270,), generator=torch.Generator().manual_seed(3))
+    engine = Engine(model, max_batch=2, max_context_len=MAX_LEN)
+
+    def extend(slot, prefix, n):
+        lens, pre = torch.tensor([prefix + n]), torch.tensor([prefix])
+        last = torch.tensor([int(engine.req_to_token[slot, prefix - 1]) if prefix else -1])
+        locs = engine.allocator.alloc_extend(pre, lens, last, n)
+        engine.req_to_token_pool.write(slot, prefix, locs)
+        batch = ForwardBatch(ForwardMode.EXTEND, tokens[prefix:prefix + n],
+                             torch.arange(prefix, prefix + n), locs, torch.tensor([slot]), lens,
+                             torch.tensor([n]))
+        return engine.forward(batch, all_logits=True)
+
+    def run(chunks):
+        slot = engine._admit(1)[0]
+        out, start = [], 0
+        for n in chunks:
+            out.append(extend(slot, start, n))
+            start += n
+        engine._release([slot], [start])
+        return torch.cat(out)
+
+    whole = run([270])
+    assert whole.shape == (270, TINY.vocab_size)
+    chunked = run([101, 66, 103])          # chunk ends mid-window for C4 and C128
+    assert (chunked - whole).abs().max().item() <= LOGIT_ATOL

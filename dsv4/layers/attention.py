@@ -19,6 +19,7 @@ from torch import nn
 
 from .compressor import Compressor
 from .indexer import Indexer
+from .linear import Linear
 from .norm import RMSNorm, rms_norm
 from .rope import rope_tail
 
@@ -38,7 +39,7 @@ class Attention(nn.Module):
         self.softmax_scale = self.head_dim ** -0.5
 
         def linear(i, o):
-            return nn.Linear(i, o, bias=False, dtype=dtype, device=device)
+            return Linear(i, o, dtype=dtype, device=device)
 
         self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32, device=device))
         self.wq_a = linear(cfg.dim, cfg.q_lora_rank)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .linear import Linear
 from .norm import RMSNorm
 from .quant_sim import fp4_quant_dequant, hadamard_rotate
 from .rope import rope_tail
@@ -37,8 +38,8 @@ class Compressor(nn.Module):
         self.rotate = rotate
         width = self.coff * head_dim
         self.ape = nn.Parameter(torch.zeros(ratio, width, dtype=torch.float32, device=device))
-        self.wkv = nn.Linear(dim, width, bias=False, dtype=torch.float32, device=device)
-        self.wgate = nn.Linear(dim, width, bias=False, dtype=torch.float32, device=device)
+        self.wkv = Linear(dim, width, dtype=torch.float32, device=device)
+        self.wgate = Linear(dim, width, dtype=torch.float32, device=device)
         self.norm = RMSNorm(head_dim, norm_eps, device=device)
 
     @property
@@ -48,10 +49,11 @@ class Compressor(nn.Module):
 
     @property
     def window_rows(self) -> int:
-        """Rows one pool reads: the previous and the current window with overlap, else one window."""
+        """Rows one pool reads: previous + current window with overlap, else one window."""
         return self.coff * self.ratio
 
-    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def project(self, x: torch.Tensor,
+                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """kv [N, coff*d] and score [N, coff*d] (ape included), fp32."""
         xf = x.float()
         return self.wkv(xf), self.wgate(xf) + self.ape[positions.long() % self.ratio]
@@ -72,7 +74,8 @@ class Compressor(nn.Module):
                 score = score.masked_fill(drop.unsqueeze(-1), float("-inf"))
         return (kv * score.softmax(dim=1)).sum(dim=1)
 
-    def finish(self, pooled: torch.Tensor, freqs_cis: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def finish(self, pooled: torch.Tensor, freqs_cis: torch.Tensor,
+               dtype: torch.dtype) -> torch.Tensor:
         """Compressed rows [M, d] in dtype: norm, RoPE at the window start (freqs_cis [M, rope/2])
         and, for the indexer, Hadamard rotation and FP4 simulation."""
         kv = self.norm(pooled.to(dtype))

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from .compressor import Compressor
+from .linear import Linear
 from .quant_sim import fp4_quant_dequant, hadamard_rotate
 from .rope import rope_tail
 
@@ -24,9 +25,9 @@ class Indexer(nn.Module):
         self.rope_dim = cfg.rope_head_dim
         self.topk = cfg.index_topk
         self.ratio = 4
-        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False,
-                              dtype=dtype, device=device)
-        self.weights_proj = nn.Linear(cfg.dim, self.n_heads, bias=False, dtype=dtype, device=device)
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype=dtype,
+                           device=device)
+        self.weights_proj = Linear(cfg.dim, self.n_heads, dtype=dtype, device=device)
         self.compressor = Compressor(cfg.dim, self.head_dim, self.rope_dim, self.ratio,
                                      cfg.norm_eps, rotate=True, device=device)
 

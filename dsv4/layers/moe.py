@@ -9,6 +9,8 @@ from torch import nn
 
 from hip_kernels.capture import is_capturing
 
+from .linear import Linear
+
 
 class Gate(nn.Module):
     def __init__(self, cfg, layer_id: int, dtype: torch.dtype = torch.bfloat16, device=None):
@@ -27,7 +29,8 @@ class Gate(nn.Module):
             self.bias = nn.Parameter(torch.zeros(cfg.n_routed_experts, dtype=torch.float32,
                                                  device=device))
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor,
+                input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights fp32 [N, k], expert indices int64 [N, k])."""
         scores = F.linear(x.float(), self.weight.float())
         if self.score_func == "softmax":
@@ -50,9 +53,9 @@ class Expert(nn.Module):
     def __init__(self, dim: int, inter_dim: int, swiglu_limit: float,
                  dtype: torch.dtype = torch.bfloat16, device=None):
         super().__init__()
-        self.w1 = nn.Linear(dim, inter_dim, bias=False, dtype=dtype, device=device)
-        self.w2 = nn.Linear(inter_dim, dim, bias=False, dtype=dtype, device=device)
-        self.w3 = nn.Linear(dim, inter_dim, bias=False, dtype=dtype, device=device)
+        self.w1 = Linear(dim, inter_dim, dtype=dtype, device=device)
+        self.w2 = Linear(inter_dim, dim, dtype=dtype, device=device)
+        self.w3 = Linear(dim, inter_dim, dtype=dtype, device=device)
         self.swiglu_limit = swiglu_limit
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:

@@ -58,7 +58,8 @@ def layer_freqs_cis(cfg, ratio: int, max_pos: int, device=None) -> torch.Tensor:
     return precompute_freqs_cis(cfg.rope_head_dim, max_pos, cfg.rope_theta, device=device)
 
 
-def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor,
+                     inverse: bool = False) -> torch.Tensor:
     """Rotate interleaved pairs (x[2i], x[2i+1]) of x [N, ..., 2K] by freqs_cis [N, K].
 
     The product is taken in fp32 and rounded to x's dtype; ``inverse`` uses the conjugate.
@@ -72,4 +73,5 @@ def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor, inverse: bool = F
 def rope_tail(x: torch.Tensor, freqs_cis: torch.Tensor, rope_dim: int,
               inverse: bool = False) -> torch.Tensor:
     """x with apply_rotary_emb on its last rope_dim dims (a new tensor)."""
-    return torch.cat([x[..., :-rope_dim], apply_rotary_emb(x[..., -rope_dim:], freqs_cis, inverse)], -1)
+    rotated = apply_rotary_emb(x[..., -rope_dim:], freqs_cis, inverse)
+    return torch.cat([x[..., :-rope_dim], rotated], -1)

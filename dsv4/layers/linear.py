@@ -1,0 +1,19 @@
+"""A bias-free linear layer that skips torch's default initialization: every weight of the model
+comes from a checkpoint or from ``init_random_weights``, and initializing ~33k expert matrices
+only to overwrite them would dominate model construction."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Linear(nn.Linear):
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype | None = None,
+                 device=None):
+        nn.Module.__init__(self)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype,
+                                               device=device))
+        self.register_parameter("bias", None)
