@@ -74,6 +74,14 @@ def test_cpu_launch_counter_counts_data_work_and_host_syncs():
     assert torch.Tensor.tolist.__qualname__ == "TensorBase.tolist"  # restored
 
 
+@pytest.mark.gpu
+def test_device_launch_counter_sees_kernels_and_device_to_host_copies():
+    x = torch.arange(12, device="cuda")
+    count = bc.count_launches(lambda: (x * 2, int(x.sum())))
+    assert count.counter == "device_kernels"
+    assert count.launches >= 2 and count.host_syncs == 1, count.by_name
+
+
 def test_environment_has_the_documented_keys():
     env = bc.environment()
     assert list(env) == list(bc.ENV_KEYS)
