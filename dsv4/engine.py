@@ -40,9 +40,10 @@ class Engine:
         pages_per_req = -(-self.max_context_len // page_size)
         if max_total_tokens is None:
             max_total_tokens = max_batch * pages_per_req * page_size
-        if swa_tokens is None:  # the window plus one page of slack, per request
-            swa_pages = min(pages_per_req, -(-cfg.window_size // page_size) + 2)
-            swa_tokens = max_batch * swa_pages * page_size
+        if swa_tokens is None:
+            # A prefill takes SWA slots for every prompt token (pages that leave the window are
+            # freed after the step), so by default the SWA side can hold all of them.
+            swa_tokens = max_total_tokens
         spec = KVCacheSpec(compress_ratios=cfg.compress_ratios[:cfg.n_layers],
                            window_size=cfg.window_size)
         self.pool, self.allocator = create_dsv4_kv_cache(
