@@ -159,6 +159,11 @@ class DeepseekV4Model(nn.Module):
     def layer_freqs(self, layer: DeepseekV4DecoderLayer) -> torch.Tensor:
         return self.freqs_cis_yarn if layer.compress_ratio else self.freqs_cis
 
+    def static_max_rows(self, max_context_len: int) -> dict[int, int]:
+        """Compressed rows per query per ratio for a context bound: the fixed shapes a captured
+        decode step needs (``forward(..., max_rows=...)``)."""
+        return {r: -(-max_context_len // r) for r in self.compress_ratios()}
+
     def compress_ratios(self) -> dict[int, int]:
         """Compress ratio -> state ring size, for the ratios this model's layers use."""
         return {r: 2 * r if r == 4 else r for r in sorted({l.compress_ratio for l in self.layers})

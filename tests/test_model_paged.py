@@ -234,3 +234,46 @@ def test_an_extend_that_continues_a_prefix_matches_one_extend(model):
     assert whole.shape == (270, TINY.vocab_size)
     chunked = run([101, 66, 103])          # chunk ends mid-window for C4 and C128
     assert (chunked - whole).abs().max().item() <= LOGIT_ATOL
+
+
+def test_a_decode_step_replays_from_a_captured_graph(model):
+    """The decode step has no host sync and no data-dependent shape (metadata included) when
+    max_rows is fixed: captured once under the CPU graph emulation, replays give eager's logits."""
+    from dsv4.forward_batch import ForwardBatch, ForwardMode
+    from dsv4.graphs.emulation import EmulatedGraph, graph
+
+    prompts, steps = [list(range(1, 131)), list(range(7, 260))], 6
+    eager = Engine(model, max_batch=2, max_context_len=MAX_LEN)
+    want = eager.generate(prompts, steps, return_logits=True)
+
+    engine = Engine(model, max_batch=2, max_context_len=MAX_LEN)
+    names = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens")
+    static = {name: torch.zeros(2, dtype=torch.int64) for name in names}
+    max_rows = model.static_max_rows(MAX_LEN)
+    captured = {}
+
+    def step():
+        b = ForwardBatch(ForwardMode.DECODE, *(static[n] for n in names))
+        return model(b, engine.pool, engine.req_to_token, max_rows=max_rows)
+
+    eager_forward = engine.forward
+
+    def forward(batch, all_logits=False):
+        if not batch.is_decode:
+            return eager_forward(batch, all_logits)
+        for n in names:
+            static[n].copy_(getattr(batch, n))
+        if not captured:
+            step()                                  # warm-up
+            g = EmulatedGraph()
+            engine.pool.invalidate_loc_cache()
+            with graph(g):
+                captured["out"] = step()
+            captured["graph"] = g
+        captured["graph"].replay()
+        return captured["out"].clone()
+
+    engine.forward = forward
+    got = engine.generate(prompts, steps, return_logits=True)
+    assert got.tokens == want.tokens
+    assert torch.equal(got.logits, want.logits)
