@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from .platform import backend
+
 _emulated_capture = False
 
 
@@ -20,4 +22,4 @@ def set_emulated_capture(on: bool) -> None:
 def is_capturing() -> bool:
     if _emulated_capture:
         return True
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    return backend() != "cpu" and torch.cuda.is_current_stream_capturing()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from . import envs
 from .capture import is_capturing
 
 LOC_DTYPES = (torch.int32, torch.int64)
@@ -39,11 +40,17 @@ def check_cache(name: str, cache, row_bytes: int, page_size: int, device) -> Non
         raise ValueError(f"{name} must be contiguous")
 
 
+def value_checks_enabled() -> bool:
+    """Range checks read tensor values on the host: skipped inside graph capture, and when
+    DSV4_KERNEL_VALUE_CHECKS=0 (eager decode on a GPU then avoids one sync per op)."""
+    return not is_capturing() and envs.VALUE_CHECKS.get()
+
+
 def check_locations(name: str, loc, n: int, capacity: int, device) -> None:
     """loc: [n] int32/int64 on device; values < capacity (negative = skip). The range check
-    needs a host sync, so it is skipped while a graph is being captured."""
+    needs a host sync: see value_checks_enabled()."""
     check_tensor(name, loc, dtypes=LOC_DTYPES, shape=(n,), device=device)
-    if n and not is_capturing():
+    if n and value_checks_enabled():
         hi = int(loc.max())
         if hi >= capacity:
             raise IndexError(f"{name} holds location {hi} but the cache has {capacity} slots "

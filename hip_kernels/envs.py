@@ -1,6 +1,6 @@
 """Environment flags of the kernel layer."""
 
-from .flags import choice_flag
+from .flags import bool_flag, choice_flag
 
 PKG = "hip_kernels"
 
@@ -10,3 +10,7 @@ FP8_DIALECT = choice_flag(
 KERNEL_BACKEND = choice_flag(
     "DSV4_KERNEL_BACKEND", ("auto", "hip", "triton", "torch"), "auto",
     "set-KV kernel backend: auto = HIP if built on ROCm, else Triton on a GPU, else torch", PKG)
+VALUE_CHECKS = bool_flag(
+    "DSV4_KERNEL_VALUE_CHECKS", True,
+    "check location/position ranges before each set-KV launch (a host sync per op in eager mode; "
+    "always skipped inside graph capture)", PKG)

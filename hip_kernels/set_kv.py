@@ -10,8 +10,7 @@ import torch
 
 from . import kv_layout as L
 from .backend import implementation, resolve
-from .capture import is_capturing
-from .checks import check_cache, check_locations, check_tensor
+from .checks import check_cache, check_locations, check_tensor, value_checks_enabled
 from .platform import fp8_dialect
 from .set_kv_ref import translate_full_to_swa
 
@@ -33,8 +32,8 @@ def _check_norm_rope_args(kv, weight, freqs_cis, positions, cache, page_size):
 
 def _check_positions(positions, max_pos):
     """Kernels read freqs_cis[positions] unchecked, so every position must be a row of it
-    (skipped while capturing: the check needs a host sync)."""
-    if positions.numel() and not is_capturing():
+    (a host sync: see value_checks_enabled())."""
+    if positions.numel() and value_checks_enabled():
         lo, hi = torch.stack(torch.aminmax(positions)).tolist()
         if lo < 0 or hi >= max_pos:
             raise IndexError(f"positions holds {lo if lo < 0 else hi} but freqs_cis has {max_pos} "
@@ -107,7 +106,7 @@ def fused_translate_norm_rope_store(kv, weight, eps, freqs_cis, positions, full_
     check_locations("full_loc", full_loc, n, full_to_swa.shape[0], dev)
     if swa_loc_out is not None:
         check_tensor("swa_loc_out", swa_loc_out, dtype=torch.int32, shape=(n,), device=dev)
-    if n and not is_capturing():
+    if n and value_checks_enabled():
         hi = int(translate_full_to_swa(full_loc, full_to_swa).max())
         if hi >= cache.shape[0] * page_size:
             raise IndexError(f"full_to_swa maps a location of full_loc to SWA slot {hi} but the "
