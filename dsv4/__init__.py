@@ -11,6 +11,10 @@ _LAZY = {
     "load_model": "checkpoint",
     "save_random_checkpoint": "checkpoint",
     "CheckpointError": "checkpoint",
+    "ModelConfig": "config",
+    "DeepseekV4Model": "model",
+    "init_random_weights": "random_init",
+    "Engine": "engine",
 }
 
 __all__ = ["envs", *_LAZY]
