@@ -1,22 +1,33 @@
-"""A small batch-synchronous engine: prefill the prompts into the paged pools, then decode.
+"""A small batch-synchronous engine: admit prompts into the paged pools, prefill, then decode.
 
-``Engine(model, max_total_tokens=...)`` owns the KV pool and allocator (``mem_pool``) and the
-request -> token table; ``generate`` admits every prompt, runs one extend step over all of them,
-then one decode step per new token (greedy, or the ``forced_tokens`` given), and frees everything.
-SWA pages that leave the window are released after every step.
+``Engine(model, max_total_tokens=... | kv_bytes=...)`` owns the KV pool and allocator
+(``mem_pool``, sized from a token count or a byte budget) and the request -> token table.
+``generate`` admits the prompts that fit (request slots and pages), prefills them in one extend
+step, then decodes all running requests together, one token per step (greedy, or the
+``forced_tokens`` given). A request stops at max_new_tokens or ``eos_token_id``; its pages are
+freed at once and it leaves the batch. When a decode step finds the pool exhausted, the latest
+admitted request is retracted to the host (``retraction.py``) and resumed when pages free up.
+SWA pages that leave the window are released after every step. Decode steps replay captured
+graphs (``graph_decode.py``) when DSV4_GRAPH is on.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import time
+from collections import deque
+from dataclasses import dataclass, field
 
 import torch
 
 from mem_pool.dsv4_pool import create_dsv4_kv_cache
-from mem_pool.kv_cache_spec import KVCacheSpec
+from mem_pool.kv_cache_spec import KVCacheSpec, footprint
 
+from . import envs
 from .forward_batch import ForwardBatch, ForwardMode, ReqToTokenPool
+from .graph_decode import decode_inputs, make_decode_graph_runner
+from .request import Request
+from .retraction import retract, try_resume
 
 logger = logging.getLogger(__name__)
 
@@ -24,32 +35,74 @@ logger = logging.getLogger(__name__)
 @dataclass
 class GenerateOutput:
     tokens: list[list[int]]              # the tokens appended to each request (sampled or forced)
-    logits: torch.Tensor | None = None   # fp32 [batch, steps, vocab]; step 0 follows the prompt
+    logits: torch.Tensor | None = None   # fp32 [batch, steps, vocab]; step 0 follows the prompt;
+                                         # NaN after a request's end token
+
+
+@dataclass
+class EngineStats:
+    decode_step_s: list[float] = field(default_factory=list)  # wall time of each decode step
+    graph_steps: int = 0                 # decode steps that replayed a graph
+    eager_swa_translations: int = 0      # SWA gathers run by eager decode steps
+    eager_swa_hits: int = 0              # SWA location cache hits of eager decode steps
+    retractions: int = 0
+    resumptions: int = 0
+    peak_full_tokens: int = 0            # most full-pool token slots in use at once
+    peak_swa_tokens: int = 0
+
+    @property
+    def eager_steps(self) -> int:
+        return len(self.decode_step_s) - self.graph_steps
 
 
 class Engine:
     def __init__(self, model, max_total_tokens: int | None = None, swa_tokens: int | None = None,
-                 page_size: int = 256, max_batch: int = 8, max_context_len: int | None = None):
+                 page_size: int = 256, max_batch: int = 8, max_context_len: int | None = None,
+                 kv_bytes: int | None = None, eos_token_id: int | None = None,
+                 graph: bool | None = None):
         cfg = model.config
         self.model = model
         self.device = next(model.parameters()).device
+        self.max_batch = max_batch
+        self.eos_token_id = eos_token_id
         self.max_context_len = max_context_len or model.max_seq_len
         if self.max_context_len > model.max_seq_len:
             raise ValueError(f"max_context_len={self.max_context_len} exceeds the model's RoPE "
                              f"tables (max_seq_len={model.max_seq_len})")
-        pages_per_req = -(-self.max_context_len // page_size)
-        if max_total_tokens is None:
-            max_total_tokens = max_batch * pages_per_req * page_size
-        if swa_tokens is None:
-            # A prefill takes SWA slots for every prompt token (pages that leave the window are
-            # freed after the step), so by default the SWA side can hold all of them.
-            swa_tokens = max_total_tokens
         spec = KVCacheSpec(compress_ratios=cfg.compress_ratios[:cfg.n_layers],
                            window_size=cfg.window_size)
+        max_total_tokens, swa_tokens = self._pool_sizes(spec, page_size, max_total_tokens,
+                                                        swa_tokens, kv_bytes)
+        # Request slot 0 is the dummy that padded graph rows use: max_batch live slots after it.
         self.pool, self.allocator = create_dsv4_kv_cache(
             spec, max_total_tokens, swa_tokens, page_size, self.device, max_num_reqs=max_batch + 1)
         self.req_to_token_pool = ReqToTokenPool(max_batch, self.max_context_len, self.device)
         self.page_size = page_size
+        self.stats = EngineStats()
+        use_graph = envs.GRAPH.get() if graph is None else graph
+        self.graph_runner = make_decode_graph_runner(
+            model, self.pool, self.req_to_token, max_batch, self.max_context_len,
+            self.device) if use_graph else None
+
+    def _pool_sizes(self, spec, page_size, max_total_tokens, swa_tokens, kv_bytes):
+        """(full tokens, SWA tokens): given, from a byte budget, or enough for max_batch requests
+        of max_context_len. A prefill takes SWA slots for every prompt token (pages that leave
+        the window are freed after the step), so by default the SWA side matches the full side."""
+        if kv_bytes is not None:
+            if max_total_tokens is not None:
+                raise ValueError("pass max_total_tokens or kv_bytes, not both")
+            fp = footprint(spec, page_size)
+            if swa_tokens is None:
+                spare = kv_bytes - fp.total_bytes(0, 0, self.max_batch + 1)
+                swa_tokens = max(0, spare) // (fp.full_page_bytes + fp.swa_page_bytes) * page_size
+            max_total_tokens = fp.max_total_tokens_for(kv_bytes, swa_tokens, self.max_batch + 1)
+            if min(max_total_tokens, swa_tokens) < page_size:
+                raise ValueError(f"kv_bytes={kv_bytes} holds less than one page "
+                                 f"(page_size={page_size}) on the full or the SWA side")
+        elif max_total_tokens is None:
+            pages_per_req = -(-self.max_context_len // page_size)
+            max_total_tokens = self.max_batch * pages_per_req * page_size
+        return max_total_tokens, max_total_tokens if swa_tokens is None else swa_tokens
 
     @property
     def req_to_token(self) -> torch.Tensor:
@@ -62,40 +115,68 @@ class Engine:
     def generate(self, prompt_token_ids: list[list[int]], max_new_tokens: int,
                  return_logits: bool = False,
                  forced_tokens: list[list[int]] | None = None) -> GenerateOutput:
-        if not prompt_token_ids or any(len(p) == 0 for p in prompt_token_ids):
+        self._check_request(prompt_token_ids, max_new_tokens, forced_tokens)
+        reqs = [Request(i, list(p), max_new_tokens, forced_tokens[i] if forced_tokens else None)
+                for i, p in enumerate(prompt_token_ids)]
+        waiting, retracted, running = deque(reqs), deque(), []
+        try:
+            while waiting or retracted or running:
+                self._schedule(waiting, retracted, running, return_logits)
+                if running:
+                    self._decode_step(running, retracted, return_logits)
+        finally:
+            for req in running:
+                self._release([req.slot], [req.seq_len])
+        logits = _stack_logits([r.logits for r in reqs]) if return_logits else None
+        return GenerateOutput([r.out for r in reqs], logits)
+
+    def _check_request(self, prompts, max_new_tokens, forced_tokens) -> None:
+        if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("prompt_token_ids must hold at least one non-empty prompt")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if forced_tokens is not None and (len(forced_tokens) != len(prompt_token_ids) or any(
+        if forced_tokens is not None and (len(forced_tokens) != len(prompts) or any(
                 len(f) < max_new_tokens for f in forced_tokens)):
             raise ValueError("forced_tokens needs one list of >= max_new_tokens tokens per prompt")
-        longest = max(len(p) for p in prompt_token_ids) + max_new_tokens - 1
+        longest = max(len(p) for p in prompts) + max_new_tokens - 1
         if longest > self.max_context_len:
             raise ValueError(f"prompt + max_new_tokens - 1 = {longest} tokens exceed "
                              f"max_context_len={self.max_context_len}")
-        slots = self._admit(len(prompt_token_ids))
-        seq_lens = [len(p) for p in prompt_token_ids]
-        try:
-            logits = self._prefill(slots, prompt_token_ids)
-            out_tokens: list[list[int]] = [[] for _ in slots]
-            steps = []
-            for step in range(max_new_tokens):
-                if return_logits:
-                    steps.append(logits.float().cpu())
-                if forced_tokens is None:
-                    nxt = logits.argmax(-1).tolist()
-                else:
-                    nxt = [f[step] for f in forced_tokens]
-                for toks, t in zip(out_tokens, nxt):
-                    toks.append(int(t))
-                if step + 1 < max_new_tokens:
-                    seq_lens = [s + 1 for s in seq_lens]
-                    logits = self._decode(slots, seq_lens, nxt)
-        finally:
-            self._release(slots, seq_lens)
-        return GenerateOutput(out_tokens, torch.stack(steps, 1) if return_logits else None)
 
-    # ---- steps --------------------------------------------------------------------------------
+    # ---- admission --------------------------------------------------------------------------
+
+    def _free_pages(self) -> int:
+        return min(self.allocator.full_available_size(),
+                   self.allocator.swa_available_size()) // self.page_size
+
+    def _pages(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def _schedule(self, waiting, retracted, running, return_logits) -> None:
+        """Resume retracted requests first (oldest first, keeping a page of headroom per running
+        request so they do not bounce straight back), then prefill the prompts that fit."""
+        while retracted and len(running) < self.max_batch and (
+                not running or self._pages(retracted[0].seq_len) + len(running)
+                <= self._free_pages()) and try_resume(self, retracted[0]):
+            running.append(retracted.popleft())
+            self.stats.resumptions += 1
+        if retracted and running:
+            return
+        admitted, pages = [], 0
+        while waiting and len(running) + len(admitted) < self.max_batch:
+            need = self._pages(len(waiting[0].prompt))
+            if pages + need > self._free_pages():
+                break
+            pages += need
+            admitted.append(waiting.popleft())
+        if admitted:
+            self._prefill(admitted, running, return_logits)
+        elif not running:
+            stuck = retracted[0] if retracted else waiting[0]
+            raise RuntimeError(f"KV pool exhausted: request {stuck.index} needs "
+                               f"{self._pages(max(stuck.seq_len, len(stuck.prompt)))} pages of "
+                               f"{self.page_size} tokens and the empty pool has "
+                               f"{self._free_pages()}")
 
     def _admit(self, n: int) -> list[int]:
         if n > self.req_to_token_pool.available():
@@ -105,43 +186,98 @@ class Engine:
         self.pool.clear_compressor_state(torch.tensor(slots, device=self.device))
         return slots
 
-    def _prefill(self, slots, prompts) -> torch.Tensor:
-        lens = torch.tensor([len(p) for p in prompts])
+    # ---- steps ------------------------------------------------------------------------------
+
+    def _prefill(self, reqs: list[Request], running: list[Request], return_logits) -> None:
+        lens = torch.tensor([len(r.prompt) for r in reqs])
         locs = self.allocator.alloc_extend(torch.zeros_like(lens), lens, torch.full_like(lens, -1),
                                            int(lens.sum()))
         if locs is None:
             raise RuntimeError(f"KV pool exhausted: prefill of {int(lens.sum())} tokens")
+        slots = self._admit(len(reqs))
         start = 0
-        for slot, n in zip(slots, lens.tolist()):
-            self.req_to_token_pool.write(slot, 0, locs[start:start + n])
-            start += n
+        for req, slot in zip(reqs, slots):
+            req.slot, req.seq_len = slot, len(req.prompt)
+            self.req_to_token_pool.write(slot, 0, locs[start:start + req.seq_len])
+            start += req.seq_len
+        self._note_usage()
         dev = self.device
         batch = ForwardBatch(
-            ForwardMode.EXTEND,
-            input_ids=torch.tensor([t for p in prompts for t in p], device=dev),
+            ForwardMode.EXTEND, input_ids=torch.tensor([t for r in reqs for t in r.prompt],
+                                                       device=dev),
             positions=torch.cat([torch.arange(n) for n in lens.tolist()]).to(dev),
             out_cache_loc=locs, req_pool_indices=torch.tensor(slots, device=dev),
             seq_lens=lens.to(dev), extend_seq_lens=lens.to(dev))
-        logits = self.forward(batch)
-        self._evict_out_of_window(slots, lens.tolist())
-        return logits
+        running.extend(reqs)
+        self._finish_step(reqs, running, self.forward(batch), return_logits)
 
-    def _decode(self, slots, seq_lens, tokens) -> torch.Tensor:
+    def _decode_step(self, running: list[Request], retracted: deque, return_logits) -> None:
+        start = time.perf_counter()
+        locs = self._alloc_decode(running, retracted)
         dev = self.device
-        rows = torch.tensor(slots, device=dev)
-        lens = torch.tensor(seq_lens, device=dev)
-        last_loc = self.req_to_token[rows, lens - 2].long().cpu()
-        locs = self.allocator.alloc_decode(lens.cpu(), last_loc)
-        if locs is None:
-            raise RuntimeError("KV pool exhausted during decode")
-        for slot, n, loc in zip(slots, seq_lens, locs):
-            self.req_to_token_pool.write(slot, n - 1, loc.view(1))
-        batch = ForwardBatch(ForwardMode.DECODE, input_ids=torch.tensor(tokens, device=dev),
-                             positions=lens - 1, out_cache_loc=locs, req_pool_indices=rows,
+        for req, loc in zip(running, locs):
+            self.req_to_token_pool.write(req.slot, req.seq_len, loc.view(1))
+            req.seq_len += 1
+        lens = torch.tensor([r.seq_len for r in running], device=dev)
+        batch = ForwardBatch(ForwardMode.DECODE,
+                             input_ids=torch.tensor([r.next_input for r in running], device=dev),
+                             positions=lens - 1, out_cache_loc=locs,
+                             req_pool_indices=torch.tensor([r.slot for r in running], device=dev),
                              seq_lens=lens)
-        logits = self.forward(batch)
-        self._evict_out_of_window(slots, seq_lens)
-        return logits
+        logits = self._decode_forward(batch)
+        self._finish_step(list(running), running, logits, return_logits)
+        self.stats.decode_step_s.append(time.perf_counter() - start)
+
+    def _alloc_decode(self, running: list[Request], retracted: deque) -> torch.Tensor:
+        """One location per running request; retracts the latest admitted until they fit."""
+        while True:
+            rows = torch.tensor([r.slot for r in running])
+            lens = torch.tensor([r.seq_len + 1 for r in running])
+            last_loc = self.req_to_token[rows, lens - 2].long().cpu()
+            locs = self.allocator.alloc_decode(lens, last_loc)
+            if locs is not None:
+                self._note_usage()
+                return locs
+            if len(running) == 1:
+                raise RuntimeError(f"KV pool exhausted: request {running[0].index} alone needs "
+                                   f"more than the pool's {self.allocator.size_full} tokens")
+            victim = running.pop()
+            retract(self, victim)
+            retracted.appendleft(victim)
+            self.stats.retractions += 1
+
+    def _decode_forward(self, batch: ForwardBatch) -> torch.Tensor:
+        if self.graph_runner is None:
+            stats = self.pool.swa_loc_stats
+            before = (stats.translations, stats.hits)
+            logits = self.forward(batch)
+            self.stats.eager_swa_translations += stats.translations - before[0]
+            self.stats.eager_swa_hits += stats.hits - before[1]
+            return logits
+        if not self.graph_runner.graphs:
+            self.graph_runner.capture()
+        self.stats.graph_steps += 1
+        return self.graph_runner.replay(decode_inputs(batch)).clone()  # views of static outputs
+
+    def _finish_step(self, stepped: list[Request], running: list[Request], logits: torch.Tensor,
+                     return_logits: bool) -> None:
+        """Append each stepped request's token; release the finished, evict the rest's SWA."""
+        greedy = logits.argmax(-1).tolist()
+        for req, row, token in zip(stepped, logits, greedy):
+            if return_logits:
+                req.logits.append(row.float().cpu())
+            req.append(req.forced[len(req.out)] if req.forced else int(token), self.eos_token_id)
+            if req.finished:
+                running.remove(req)
+                self._release([req.slot], [req.seq_len])
+                req.slot = None
+            else:
+                self._evict_out_of_window([req.slot], [req.seq_len])
+
+    def _note_usage(self) -> None:
+        a, s = self.allocator, self.stats
+        s.peak_full_tokens = max(s.peak_full_tokens, a.size_full - a.full_available_size())
+        s.peak_swa_tokens = max(s.peak_swa_tokens, a.size_swa - a.swa_available_size())
 
     def _evict_out_of_window(self, slots, seq_lens) -> None:
         window = self.model.config.window_size
@@ -152,3 +288,13 @@ class Engine:
         for slot, n in zip(slots, seq_lens):
             self.allocator.free(self.req_to_token[slot, :n].long().cpu())
             self.req_to_token_pool.free(slot)
+
+
+def _stack_logits(per_request: list[list[torch.Tensor]]) -> torch.Tensor:
+    """[batch, steps, vocab], NaN where a request stopped early."""
+    steps = max(len(rows) for rows in per_request)
+    vocab = per_request[0][0].shape[-1]
+    out = torch.full((len(per_request), steps, vocab), float("nan"))
+    for i, rows in enumerate(per_request):
+        out[i, :len(rows)] = torch.stack(rows)
+    return out

@@ -105,7 +105,7 @@ def run_and_compare(model, monkeypatch, prompt_len, decode_len, seed):
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, TINY.vocab_size, (prompt_len + decode_len,), generator=g)
     rec = ChoiceRecorder(model, monkeypatch)
-    engine = Engine(model, max_batch=2, max_context_len=MAX_LEN)
+    engine = Engine(model, max_batch=2, max_context_len=MAX_LEN, graph=False)
     out = engine.generate([tokens[:prompt_len].tolist()], decode_len, return_logits=True,
                           forced_tokens=[tokens[prompt_len:].tolist()])
     T = prompt_len + decode_len - 1            # the last forced token is never fed
@@ -181,7 +181,7 @@ def test_a_mixed_length_batch_matches_each_request_alone(model):
     lens, steps = [7, 130, 250], 8
     prompts = [torch.randint(0, TINY.vocab_size, (n,), generator=g).tolist() for n in lens]
     forced = [torch.randint(0, TINY.vocab_size, (steps,), generator=g).tolist() for _ in lens]
-    engine = Engine(model, max_batch=4, max_context_len=MAX_LEN)
+    engine = Engine(model, max_batch=4, max_context_len=MAX_LEN, graph=False)
     together = engine.generate(prompts, steps, return_logits=True, forced_tokens=forced)
     assert together.logits.shape == (3, steps, TINY.vocab_size)
     for i in range(3):
@@ -192,7 +192,7 @@ def test_a_mixed_length_batch_matches_each_request_alone(model):
 
 
 def test_greedy_generation_is_deterministic_and_frees_its_pages(model):
-    engine = Engine(model, max_batch=2, max_context_len=MAX_LEN)
+    engine = Engine(model, max_batch=2, max_context_len=MAX_LEN, graph=False)
     a = engine.generate([[1, 2, 3], [4, 5, 6, 7, 8]], 5)
     b = engine.generate([[1, 2, 3], [4, 5, 6, 7, 8]], 5)
     assert a.tokens == b.tokens and all(len(t) == 5 for t in a.tokens) and a.logits is None
@@ -209,7 +209,7 @@ def test_an_extend_that_continues_a_prefix_matches_one_extend(model):
     from dsv4.forward_batch import ForwardBatch, ForwardMode
 
     tokens = torch.randint(0, TINY.vocab_size, (270,), generator=torch.Generator().manual_seed(3))
-    engine = Engine(model, max_batch=2, max_context_len=MAX_LEN)
+    engine = Engine(model, max_batch=2, max_context_len=MAX_LEN, graph=False)
 
     def extend(slot, prefix, n):
         lens, pre = torch.tensor([prefix + n]), torch.tensor([prefix])
@@ -243,10 +243,10 @@ def test_a_decode_step_replays_from_a_captured_graph(model):
     from dsv4.graphs.emulation import EmulatedGraph, graph
 
     prompts, steps = [list(range(1, 131)), list(range(7, 260))], 6
-    eager = Engine(model, max_batch=2, max_context_len=MAX_LEN)
+    eager = Engine(model, max_batch=2, max_context_len=MAX_LEN, graph=False)
     want = eager.generate(prompts, steps, return_logits=True)
 
-    engine = Engine(model, max_batch=2, max_context_len=MAX_LEN)
+    engine = Engine(model, max_batch=2, max_context_len=MAX_LEN, graph=False)
     names = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens")
     static = {name: torch.zeros(2, dtype=torch.int64) for name in names}
     max_rows = model.static_max_rows(MAX_LEN)

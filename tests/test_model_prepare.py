@@ -57,7 +57,7 @@ def watch_steps(engine, monkeypatch):
 def test_each_prepare_path_uses_the_cached_translation(model, monkeypatch, flag_env, multi_stream,
                                                        cache):
     flag_env(DSV4_MULTI_STREAM_PREPARE=multi_stream, DSV4_CACHE_SWA_TRANSLATION=cache)
-    engine = Engine(model, max_batch=2, max_context_len=256)
+    engine = Engine(model, max_batch=2, max_context_len=256, graph=False)
     steps = watch_steps(engine, monkeypatch)
     paths = []
     for name in ("_forward_prepare", "_forward_prepare_multi_stream_hip"):
@@ -82,7 +82,7 @@ def test_multi_stream_prepare_gives_identical_results(model, flag_env):
     out = {}
     for flag in ("0", "1"):
         flag_env(DSV4_MULTI_STREAM_PREPARE=flag)
-        engine = Engine(model, max_batch=2, max_context_len=256)
+        engine = Engine(model, max_batch=2, max_context_len=256, graph=False)
         out[flag] = engine.generate(PROMPTS, STEPS, return_logits=True)
     assert out["0"].tokens == out["1"].tokens
     assert torch.equal(out["0"].logits, out["1"].logits)

@@ -1,0 +1,31 @@
+"""One generation request as the engine tracks it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Request:
+    index: int                          # position in the generate() call's prompt list
+    prompt: list[int]
+    max_new_tokens: int
+    forced: list[int] | None = None     # tokens to append instead of sampling (teacher forcing)
+    slot: int | None = None             # request slot in ReqToTokenPool while it holds KV
+    seq_len: int = 0                    # tokens whose KV is stored
+    out: list[int] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)
+    host_copy: object | None = None     # KVHostCopy while retracted
+    finished: bool = False
+
+    @property
+    def next_input(self) -> int:
+        """The token a decode step feeds: the last one appended."""
+        return self.out[-1]
+
+    def append(self, token: int, eos_token_id: int | None) -> None:
+        self.out.append(token)
+        self.finished = (len(self.out) >= self.max_new_tokens
+                         or (eos_token_id is not None and token == eos_token_id))
