@@ -17,6 +17,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -114,7 +115,9 @@ class Engine:
     @torch.no_grad()
     def generate(self, prompt_token_ids: list[list[int]], max_new_tokens: int,
                  return_logits: bool = False,
-                 forced_tokens: list[list[int]] | None = None) -> GenerateOutput:
+                 forced_tokens: list[list[int]] | None = None,
+                 on_step: Callable[[], None] | None = None) -> GenerateOutput:
+        """on_step: called after every decode step (progress reporting)."""
         self._check_request(prompt_token_ids, max_new_tokens, forced_tokens)
         reqs = [Request(i, list(p), max_new_tokens, forced_tokens[i] if forced_tokens else None)
                 for i, p in enumerate(prompt_token_ids)]
@@ -124,6 +127,8 @@ class Engine:
                 self._schedule(waiting, retracted, running, return_logits)
                 if running:
                     self._decode_step(running, retracted, return_logits)
+                    if on_step is not None:
+                        on_step()
         finally:
             for req in running:
                 self._release([req.slot], [req.seq_len])
