@@ -1,0 +1,98 @@
+"""Engine scheduling: retraction to host and resume give the tokens of an unconstrained run,
+requests queue for slots, an end token stops a request early, and the pool is sized from a byte
+budget. Every run ends with every page free."""
+
+
+import pytest
+import torch
+
+from dsv4.config import ModelConfig
+from dsv4.engine import Engine
+from dsv4.model import DeepseekV4Model
+from dsv4.random_init import init_random_weights
+
+TINY = ModelConfig.preset("tiny")
+MAX_LEN, PAGE = 256, 128
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The tiny model's ops are too small to share between threads (see test_model_paged)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return init_random_weights(DeepseekV4Model(TINY, max_seq_len=MAX_LEN), seed=1)
+
+
+def prompts(lens, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, TINY.vocab_size, (n,), generator=g).tolist() for n in lens]
+
+
+def all_free(engine):
+    a = engine.allocator
+    return (a.full_available_size() == a.size_full and a.swa_available_size() == a.size_swa
+            and engine.req_to_token_pool.available() == engine.max_batch)
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_retraction_and_resume_give_identical_tokens(model, graph):
+    """3 prompts of ~100 tokens fill 3 of 4 pages; at token 128 each needs a second page, so the
+    latest is retracted to the host and resumed once the others finish."""
+    reqs, new = prompts([100, 105, 110]), 40
+    big = Engine(model, max_batch=4, max_context_len=MAX_LEN, page_size=PAGE, graph=False)
+    want = big.generate(reqs, new)
+    small = Engine(model, max_batch=4, max_context_len=MAX_LEN, page_size=PAGE,
+                   max_total_tokens=4 * PAGE, graph=graph)
+    got = small.generate(reqs, new)
+    assert small.stats.retractions >= 1 and small.stats.resumptions == small.stats.retractions
+    assert big.stats.retractions == 0
+    assert got.tokens == want.tokens
+    assert all_free(small)
+
+
+def test_a_pool_too_small_for_one_request_raises_and_frees(model):
+    engine = Engine(model, max_batch=2, max_context_len=MAX_LEN, page_size=PAGE,
+                    max_total_tokens=PAGE, graph=False)
+    with pytest.raises(RuntimeError, match="KV pool exhausted"):
+        engine.generate(prompts([100]), 40)
+    assert all_free(engine)
+
+
+def test_more_prompts_than_slots_queue(model):
+    reqs = prompts([30, 40, 50])
+    want = Engine(model, max_batch=4, max_context_len=MAX_LEN, graph=False).generate(reqs, 6)
+    engine = Engine(model, max_batch=2, max_context_len=MAX_LEN, graph=False)
+    assert engine.generate(reqs, 6).tokens == want.tokens
+    assert all_free(engine)
+
+
+def test_an_end_token_stops_its_request_early(model):
+    reqs = prompts([30, 40])
+    engine = Engine(model, max_batch=2, max_context_len=MAX_LEN, graph=False)
+    full = engine.generate(reqs, 8, return_logits=True)
+    eos = full.tokens[0][2]
+    stopping = Engine(model, max_batch=2, max_context_len=MAX_LEN, graph=False, eos_token_id=eos)
+    out = stopping.generate(reqs, 8, return_logits=True)
+    assert out.tokens[0] == full.tokens[0][:full.tokens[0].index(eos) + 1]
+    cut = full.tokens[1].index(eos) + 1 if eos in full.tokens[1] else 8
+    assert out.tokens[1] == full.tokens[1][:cut]
+    assert torch.isnan(out.logits[0, len(out.tokens[0]):]).all()
+    assert all_free(stopping)
+
+
+def test_the_pool_is_sized_from_a_byte_budget(model):
+    budget = 6 * 2**20
+    engine = Engine(model, max_batch=2, page_size=PAGE, kv_bytes=budget, graph=False)
+    assert engine.pool.nbytes <= budget
+    more = Engine(model, max_batch=2, page_size=PAGE, kv_bytes=2 * budget, graph=False)
+    assert more.allocator.size_full > engine.allocator.size_full
+    with pytest.raises(ValueError, match="budget_bytes=1000"):
+        Engine(model, max_batch=2, page_size=PAGE, kv_bytes=1000, graph=False)
+    with pytest.raises(ValueError, match="not both"):
+        Engine(model, max_batch=2, kv_bytes=budget, max_total_tokens=PAGE, graph=False)
