@@ -46,3 +46,14 @@ def flag_env(monkeypatch):
     flags.refresh()
     platform.backend.cache_clear()
     platform.gpu_arch.cache_clear()
+
+
+@pytest.fixture
+def one_thread():
+    """The tiny model's ops are far too small to share between threads: on a busy 2-core machine
+    OpenMP's hand-offs cost more than the ops (measured 4x slower with 2 threads)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+

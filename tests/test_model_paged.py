@@ -13,8 +13,6 @@ the scale of the scores compared (measured worst ~0.2 for indexer scores, whose 
 amplify the noise; ~0.01 for the gate).
 """
 
-import time
-
 import pytest
 import torch
 
@@ -23,8 +21,7 @@ from dsv4.config import ModelConfig
 from dsv4.engine import Engine
 from dsv4.layers.indexer import Indexer
 from dsv4.layers.moe import Gate
-from dsv4.model import DeepseekV4Model
-from dsv4.random_init import init_random_weights
+from tiny_model import tiny_model
 
 LOGIT_ATOL = 0.1
 INDEX_REGRET_TOL = 0.3
@@ -32,21 +29,12 @@ ROUTE_REGRET_TOL = 0.02
 MAX_LEN = 512
 
 TINY = ModelConfig.preset("tiny")
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The tiny model's ops are far too small to share between threads: on a busy 2-core machine
-    OpenMP's hand-offs cost more than the ops (measured 4x slower with 2 threads)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def model():
-    return init_random_weights(DeepseekV4Model(TINY, max_seq_len=MAX_LEN), seed=1)
+    return tiny_model(max_seq_len=MAX_LEN, seed=1)
 
 
 class ChoiceRecorder:

@@ -6,25 +6,18 @@ import torch
 
 from dsv4.config import ModelConfig
 from dsv4.engine import Engine
-from dsv4.model import DeepseekV4DecoderLayer, DeepseekV4Model
-from dsv4.random_init import init_random_weights
+from dsv4.model import DeepseekV4DecoderLayer
+from tiny_model import tiny_model
 
 TINY = ModelConfig.preset("tiny")
+pytestmark = pytest.mark.usefixtures("one_thread")
 PROMPTS = [[5, 6, 7, 8, 9] * 27, [1, 2, 3]]       # 135 tokens (past the window) and 3
 STEPS = 4
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def model():
-    return init_random_weights(DeepseekV4Model(TINY, max_seq_len=256), seed=2)
+    return tiny_model(max_seq_len=256, seed=2)
 
 
 def watch_steps(engine, monkeypatch):

@@ -2,31 +2,21 @@
 requests queue for slots, an end token stops a request early, and the pool is sized from a byte
 budget. Every run ends with every page free."""
 
-
 import pytest
 import torch
 
 from dsv4.config import ModelConfig
 from dsv4.engine import Engine
-from dsv4.model import DeepseekV4Model
-from dsv4.random_init import init_random_weights
+from tiny_model import tiny_model
 
 TINY = ModelConfig.preset("tiny")
+pytestmark = pytest.mark.usefixtures("one_thread")
 MAX_LEN, PAGE = 256, 128
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The tiny model's ops are too small to share between threads (see test_model_paged)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
 def model():
-    return init_random_weights(DeepseekV4Model(TINY, max_seq_len=MAX_LEN), seed=1)
+    return tiny_model(max_seq_len=MAX_LEN, seed=1)
 
 
 def prompts(lens, seed=0):

@@ -8,11 +8,11 @@ import torch
 from dsv4.config import ModelConfig
 from dsv4.engine import Engine
 from dsv4.graphs import GraphFlagChanged
-from dsv4.model import DeepseekV4Model
-from dsv4.random_init import init_random_weights
+from tiny_model import tiny_model
 from hip_kernels.kv_layout import VALUE_BYTES
 
 TINY = ModelConfig.preset("tiny")
+pytestmark = pytest.mark.usefixtures("one_thread")
 MAX_LEN, STEPS, SENTINEL = 192, 5, 0xA5
 # A captured step attends over a static number of compressed rows (model.static_max_rows) and a
 # padded graph runs its GEMMs on more rows than the live batch; both change fp32 summation order,
@@ -20,18 +20,9 @@ MAX_LEN, STEPS, SENTINEL = 192, 5, 0xA5
 LOGIT_ATOL = 0.1
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The tiny model's ops are too small to share between threads (see test_model_paged)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def model():
-    return init_random_weights(DeepseekV4Model(TINY, max_seq_len=MAX_LEN), seed=1)
+    return tiny_model(max_seq_len=MAX_LEN, seed=1)
 
 
 @pytest.fixture(scope="module")
