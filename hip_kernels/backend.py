@@ -6,7 +6,8 @@ else the torch reference. Asking for a backend that cannot run here raises, nami
 
 from __future__ import annotations
 
-import importlib
+import importlib.util
+import os
 
 import torch
 
@@ -31,7 +32,6 @@ def hip_available() -> bool:
 def triton_usable(device: torch.device) -> bool:
     if device.type == "cuda":
         return importlib.util.find_spec("triton") is not None
-    import os
     return os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
 
 
@@ -41,8 +41,8 @@ def resolve(op: str, device: torch.device) -> str:
     if choice == "torch":
         return "torch"
     if choice == "hip":
-        if op not in HIP_OPS:
-            return resolve_gpu_fallback(op, device)
+        if op not in HIP_OPS:  # no HIP version: Triton where it can run
+            return "triton" if triton_usable(device) else "torch"
         if device.type != "cuda" or not hip_available():
             from . import set_kv_hip
             raise BackendUnavailable(
@@ -61,11 +61,6 @@ def resolve(op: str, device: torch.device) -> str:
         if triton_usable(device):
             return "triton"
     return "torch"
-
-
-def resolve_gpu_fallback(op: str, device: torch.device) -> str:
-    """Ops without a HIP version run in Triton under DSV4_KERNEL_BACKEND=hip."""
-    return "triton" if triton_usable(device) else "torch"
 
 
 def implementation(backend_name: str):
