@@ -7,8 +7,8 @@ functions that need them), so ``import hip_kernels`` works on a machine without 
 import logging
 
 from . import envs, platform
-from .kv_layout import (dequantize_kv_rows, indexer_page_bytes, page_bytes, quantize_kv_rows,
-                        read_indexer_rows, read_kv_rows)
+from .kv_layout import (DEFAULT_NUMERICS, StoreNumerics, dequantize_kv_rows, indexer_page_bytes,
+                        page_bytes, quantize_kv_rows, read_indexer_rows, read_kv_rows)
 from .platform import fp8_dialect
 from .set_kv import (fused_k_norm_rope_store, fused_store_cache, fused_translate_norm_rope_store,
                      indexer_store, store_kv_pack)
@@ -16,7 +16,7 @@ from .set_kv import (fused_k_norm_rope_store, fused_store_cache, fused_translate
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __all__ = [
-    "envs", "platform", "fp8_dialect",
+    "envs", "platform", "fp8_dialect", "StoreNumerics", "DEFAULT_NUMERICS",
     "page_bytes", "indexer_page_bytes", "quantize_kv_rows", "dequantize_kv_rows", "read_kv_rows",
     "read_indexer_rows",
     "fused_k_norm_rope_store", "fused_store_cache", "store_kv_pack", "indexer_store",

@@ -2,6 +2,8 @@
 
 auto = HIP C++ when its extension is built on ROCm (and the op has one), else Triton on a GPU,
 else the torch reference. Asking for a backend that cannot run here raises, naming why.
+The HIP C++ kernels implement the default `StoreNumerics` only: a store asked for other numerics
+runs on Triton (on a GPU) instead, as an op without a HIP version does.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import os
 import torch
 
 from . import envs
+from .kv_layout import DEFAULT_NUMERICS, StoreNumerics
 from .platform import backend as platform_backend
 
 HIP_OPS = ("fused_k_norm_rope_store", "fused_store_cache", "fused_translate_norm_rope_store")
@@ -35,13 +38,14 @@ def triton_usable(device: torch.device) -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
 
 
-def resolve(op: str, device: torch.device) -> str:
-    """The backend name that will run `op` for tensors on `device`."""
+def resolve(op: str, device: torch.device, numerics: StoreNumerics = DEFAULT_NUMERICS) -> str:
+    """The backend name that will run `op` for tensors on `device` with `numerics`."""
     choice = envs.KERNEL_BACKEND.get()
+    has_hip = op in HIP_OPS and numerics.is_default
     if choice == "torch":
         return "torch"
     if choice == "hip":
-        if op not in HIP_OPS:  # no HIP version: Triton where it can run
+        if not has_hip:  # no HIP version: Triton where it can run
             return "triton" if triton_usable(device) else "torch"
         if device.type != "cuda" or not hip_available():
             from . import set_kv_hip
@@ -56,7 +60,7 @@ def resolve(op: str, device: torch.device) -> str:
                 "on a CPU set TRITON_INTERPRET=1 before triton is first imported")
         return "triton"
     if device.type == "cuda":
-        if op in HIP_OPS and platform_backend() == "rocm" and hip_available():
+        if has_hip and platform_backend() == "rocm" and hip_available():
             return "hip"
         if triton_usable(device):
             return "triton"

@@ -14,6 +14,8 @@ The functions here are the torch reference (the CPU path and every kernel's test
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .platform import Fp8Dialect, fp8_dialect
@@ -31,6 +33,51 @@ UE8M0_BIAS = 127
 
 INDEX_DIM = 128
 INDEX_TOKEN_BYTES = INDEX_DIM + 4      # 132
+
+
+@dataclass(frozen=True)
+class StoreNumerics:
+    """How a KV row is computed before it lands in the layout. The byte layout never changes;
+    these are the points where writers of the same layout are known to differ, as explicit
+    parameters of the set-KV ops (the default is this project's, which follows the reference
+    inference code):
+
+    - round_to_bf16: the RMSNorm output is rounded to bf16 before RoPE and quantization (the
+      reference). False keeps it fp32 through the norm and the RoPE, and quantizes the fp32
+      values (the RoPE dims are still stored as bf16).
+    - fp8_max: the clamp and the scale divisor of the fp8 cast; None = the dialect's largest
+      finite value (240 fnuz, 448 OCP). Some writers use 224 with fnuz.
+    - amax_floor: the smallest tile amax used for a scale (1e-4; some writers use 1e-8).
+    - q_rope_only: with a fused q, only RoPE its last 64 dims of every head (no RMSNorm), and
+      round each rotated pair as `fma(x, cos, round(-y*sin))`, `fma(y, cos, round(x*sin))`.
+    """
+
+    round_to_bf16: bool = True
+    fp8_max: float | None = None
+    amax_floor: float = AMAX_FLOOR
+    q_rope_only: bool = False
+
+    def __post_init__(self):
+        if self.fp8_max is not None and not 0 < self.fp8_max <= 448:
+            raise ValueError(f"StoreNumerics.fp8_max must be in (0, 448] or None, got {self.fp8_max}")
+        if not self.amax_floor > 0:
+            raise ValueError(f"StoreNumerics.amax_floor must be > 0, got {self.amax_floor}")
+
+    def fp8_max_for(self, dialect: Fp8Dialect) -> float:
+        """The clamp used with `dialect`: fp8_max, never above the dialect's own maximum."""
+        if self.fp8_max is None:
+            return dialect.max
+        if self.fp8_max > dialect.max:
+            raise ValueError(f"StoreNumerics.fp8_max={self.fp8_max} exceeds the {dialect.name} "
+                             f"fp8 maximum {dialect.max}")
+        return self.fp8_max
+
+    @property
+    def is_default(self) -> bool:
+        return self == DEFAULT_NUMERICS
+
+
+DEFAULT_NUMERICS = StoreNumerics()
 
 
 def page_bytes(page_size: int) -> int:
@@ -67,25 +114,28 @@ def pow2_ceil_exponent(r: torch.Tensor) -> torch.Tensor:
     return exp + ((bits & 0x7FFFFF) != 0).to(torch.int32)
 
 
-def quantize_kv_rows(x: torch.Tensor, dialect: Fp8Dialect | None = None):
+def quantize_kv_rows(x: torch.Tensor, dialect: Fp8Dialect | None = None,
+                     numerics: StoreNumerics = DEFAULT_NUMERICS):
     """Quantize KV rows [N, 512] the way the cache stores them.
 
-    The row is rounded to bf16 first (as the reference does). Each 64-wide tile of the nope part
-    gets a power-of-two scale 2^ceil(log2(max(amax, 1e-4) / FP8_MAX)); values are x / scale
-    clamped to +-FP8_MAX and cast (round to nearest even). Returns
+    The row is rounded to bf16 first (as the reference does; `numerics.round_to_bf16=False`
+    quantizes the fp32 values). Each 64-wide tile of the nope part gets a power-of-two scale
+    2^ceil(log2(max(amax, amax_floor) / FP8_MAX)); values are x / scale clamped to +-FP8_MAX and
+    cast (round to nearest even). Returns
     (nope [N, 448] fp8, rope [N, 64] bf16, scales [N, 7] uint8 ue8m0 = exponent + 127).
     """
     if x.dim() != 2 or x.shape[1] != HEAD_DIM:
         raise ValueError(f"x must be [N, {HEAD_DIM}], got {tuple(x.shape)}")
     d = dialect or fp8_dialect()
-    xb = x.to(torch.bfloat16)
-    tiles = xb[:, :NOPE_DIM].float().view(-1, N_TILES, TILE)
-    amax = tiles.abs().amax(dim=-1).clamp_min(AMAX_FLOOR)
-    exp = pow2_ceil_exponent(amax / d.max)
+    fp8_max = numerics.fp8_max_for(d)
+    xq = x.to(torch.bfloat16) if numerics.round_to_bf16 else x
+    tiles = xq[:, :NOPE_DIM].float().view(-1, N_TILES, TILE)
+    amax = tiles.abs().amax(dim=-1).clamp_min(numerics.amax_floor)
+    exp = pow2_ceil_exponent(amax / fp8_max)
     inv_scale = torch.ldexp(torch.ones_like(amax), -exp)
-    q = (tiles * inv_scale.unsqueeze(-1)).clamp(-d.max, d.max).to(d.torch_dtype)
+    q = (tiles * inv_scale.unsqueeze(-1)).clamp(-fp8_max, fp8_max).to(d.torch_dtype)
     scales = (exp + UE8M0_BIAS).to(torch.uint8)
-    return q.view(-1, NOPE_DIM), xb[:, NOPE_DIM:].contiguous(), scales
+    return q.view(-1, NOPE_DIM), x[:, NOPE_DIM:].to(torch.bfloat16).contiguous(), scales
 
 
 def dequantize_kv_rows(nope: torch.Tensor, rope: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

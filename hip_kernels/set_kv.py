@@ -2,6 +2,8 @@
 
 All writers skip rows whose location is negative and take the fp8 dialect from the platform
 (`DSV4_FP8_DIALECT` overrides). Every check happens before any cache byte is written.
+`numerics` (a `kv_layout.StoreNumerics`) makes a store write what another writer of the same
+layout writes; the default is this project's numerics.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import torch
 from . import kv_layout as L
 from .backend import implementation, resolve
 from .checks import check_cache, check_locations, check_tensor, value_checks_enabled
+from .kv_layout import DEFAULT_NUMERICS, StoreNumerics
 from .platform import fp8_dialect
 from .set_kv_ref import translate_full_to_swa
 
@@ -48,25 +51,42 @@ def _check_q(q, n, dev):
         raise ValueError(f"q must have shape [{n}, H, {L.HEAD_DIM}], got {tuple(q.shape)}")
 
 
+def _check_numerics(numerics) -> StoreNumerics:
+    if not isinstance(numerics, StoreNumerics):
+        raise TypeError(f"numerics must be a hip_kernels.StoreNumerics, got {type(numerics).__name__}")
+    numerics.fp8_max_for(fp8_dialect())
+    return numerics
+
+
 def fused_k_norm_rope_store(kv, weight, eps, freqs_cis, positions, out_loc, cache, page_size,
-                            q=None) -> None:
+                            q=None, numerics: StoreNumerics = DEFAULT_NUMERICS) -> None:
     """RMSNorm(kv)*weight, RoPE on dims 448..511, FP8-quantize dims 0..447, store at out_loc.
-    With q [N, H, 512], also applies the weightless per-head RMSNorm + RoPE to q in place."""
+    With q [N, H, 512], also applies the weightless per-head RMSNorm + RoPE to q in place (RoPE
+    only with numerics.q_rope_only), for every row, whatever its location."""
+    _check_numerics(numerics)
     _check_norm_rope_args(kv, weight, freqs_cis, positions, cache, page_size)
     _check_q(q, kv.shape[0], kv.device)
     check_locations("out_loc", out_loc, kv.shape[0], cache.shape[0] * page_size, kv.device)
-    impl = implementation(resolve("fused_k_norm_rope_store", kv.device))
+    impl = implementation(resolve("fused_k_norm_rope_store", kv.device, numerics))
     impl.fused_k_norm_rope_store(kv, weight, eps, freqs_cis, positions, out_loc, cache, page_size,
-                                 q, fp8_dialect())
+                                 q, fp8_dialect(), **_numerics_kwarg(numerics))
 
 
-def fused_store_cache(rows, cache, out_loc, page_size) -> None:
+def fused_store_cache(rows, cache, out_loc, page_size,
+                      numerics: StoreNumerics = DEFAULT_NUMERICS) -> None:
     """Quantize already normalized and rotated rows [N, 512] bf16 and store them at out_loc."""
+    _check_numerics(numerics)
     check_tensor("rows", rows, dtype=torch.bfloat16, shape=(None, L.HEAD_DIM), last_contiguous=True)
     check_cache("cache", cache, L.page_bytes(page_size), page_size, rows.device)
     check_locations("out_loc", out_loc, rows.shape[0], cache.shape[0] * page_size, rows.device)
-    impl = implementation(resolve("fused_store_cache", rows.device))
-    impl.fused_store_cache(rows, cache, out_loc, page_size, fp8_dialect())
+    impl = implementation(resolve("fused_store_cache", rows.device, numerics))
+    impl.fused_store_cache(rows, cache, out_loc, page_size, fp8_dialect(),
+                           **_numerics_kwarg(numerics))
+
+
+def _numerics_kwarg(numerics: StoreNumerics) -> dict:
+    """The HIP C++ kernels take no numerics argument: they only run the default (see resolve)."""
+    return {} if numerics.is_default else {"numerics": numerics}
 
 
 def store_kv_pack(nope_fp8, rope_bf16, scales, cache, out_loc, page_size) -> None:

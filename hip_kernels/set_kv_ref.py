@@ -7,6 +7,10 @@ Numerics every backend reproduces (so fused and unfused paths write identical by
 - RoPE on dims 448..511, interleaved pairs: (a, b) -> (a*c - b*d, a*d + b*c) in fp32 from the
   bf16 values, rounded to bf16.
 - FP8 quantization of the bf16 nope dims as in `kv_layout.quantize_kv_rows`.
+
+`kv_layout.StoreNumerics` changes these points explicitly (a host engine's own writer):
+without the bf16 rounding the normed row stays fp32 through RoPE and quantization; with
+q_rope_only a fused q is only rotated, each pair as fma(x, c, rn(-y*s)), fma(y, c, rn(x*s)).
 """
 
 from __future__ import annotations
@@ -14,18 +18,24 @@ from __future__ import annotations
 import torch
 
 from . import kv_layout as L
+from .kv_layout import DEFAULT_NUMERICS, StoreNumerics
 from .platform import Fp8Dialect
 
 
-def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim of a bf16 tensor, result bf16 (weight None = weightless)."""
+def rms_norm_fp32(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of a bf16 tensor, result fp32 (weight None = weightless)."""
     xf = x.float()
     ms = (xf.double().square().sum(-1, keepdim=True) / x.shape[-1]).float()
     r = 1.0 / torch.sqrt(ms + torch.tensor(eps, dtype=torch.float32))
     y = xf * r
     if weight is not None:
         y = weight.float() * y
-    return y.to(torch.bfloat16)
+    return y
+
+
+def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of a bf16 tensor, result bf16 (weight None = weightless)."""
+    return rms_norm_fp32(x, weight, eps).to(torch.bfloat16)
 
 
 def rope_bf16(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -37,35 +47,54 @@ def rope_bf16(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     return torch.stack([re, im], dim=-1).flatten(-2).to(torch.bfloat16)
 
 
-def _norm_rope_rows(kv, weight, eps, freqs_cis, positions):
-    y = rms_norm_bf16(kv, weight, eps)
+def rope_fma_bf16(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Interleaved RoPE of bf16 x [..., 64] rounded as fma(a, c, rn(-b*s)), fma(b, c, rn(a*s)),
+    result bf16. The fma is exact in fp64 (an fp32 product has 48 bits) before one rounding."""
+    a = x[..., 0::2].float()
+    b = x[..., 1::2].float()
+    c = cos.double()
+    re = (a.double() * c + (-(b * sin)).double()).float()
+    im = (b.double() * c + (a * sin).double()).float()
+    return torch.stack([re, im], dim=-1).flatten(-2).to(torch.bfloat16)
+
+
+def _norm_rope_rows(kv, weight, eps, freqs_cis, positions, numerics: StoreNumerics):
+    y = rms_norm_fp32(kv, weight, eps)
+    if numerics.round_to_bf16:
+        y = y.to(torch.bfloat16)
     f = freqs_cis[positions.long()]
     rope = rope_bf16(y[:, L.NOPE_DIM:], f.real, f.imag)
-    return torch.cat([y[:, :L.NOPE_DIM], rope], dim=1), f
+    return torch.cat([y[:, :L.NOPE_DIM], rope.to(y.dtype)], dim=1), f
 
 
-def _norm_rope_q(q, eps, f) -> None:
+def _norm_rope_q(q, eps, f, numerics: StoreNumerics) -> None:
+    cos, sin = f.real.unsqueeze(1), f.imag.unsqueeze(1)
+    if numerics.q_rope_only:
+        q[..., L.NOPE_DIM:] = rope_fma_bf16(q[..., L.NOPE_DIM:], cos, sin)
+        return
     yq = rms_norm_bf16(q, None, eps)
-    yq[..., L.NOPE_DIM:] = rope_bf16(yq[..., L.NOPE_DIM:], f.real.unsqueeze(1), f.imag.unsqueeze(1))
+    yq[..., L.NOPE_DIM:] = rope_bf16(yq[..., L.NOPE_DIM:], cos, sin)
     q.copy_(yq)
 
 
-def _store_rows(rows, cache, loc, page_size, dialect: Fp8Dialect) -> None:
-    nope, rope, scales = L.quantize_kv_rows(rows, dialect)
+def _store_rows(rows, cache, loc, page_size, dialect: Fp8Dialect,
+                numerics: StoreNumerics = DEFAULT_NUMERICS) -> None:
+    nope, rope, scales = L.quantize_kv_rows(rows, dialect, numerics)
     values, scale_bytes = L.pack_kv_bytes(nope, rope, scales)
     L.write_kv_bytes(cache, loc, page_size, values, scale_bytes)
 
 
 def fused_k_norm_rope_store(kv, weight, eps, freqs_cis, positions, out_loc, cache, page_size,
-                            q, dialect: Fp8Dialect) -> None:
-    rows, f = _norm_rope_rows(kv, weight, eps, freqs_cis, positions)
-    _store_rows(rows, cache, out_loc, page_size, dialect)
+                            q, dialect: Fp8Dialect, numerics: StoreNumerics = DEFAULT_NUMERICS):
+    rows, f = _norm_rope_rows(kv, weight, eps, freqs_cis, positions, numerics)
+    _store_rows(rows, cache, out_loc, page_size, dialect, numerics)
     if q is not None:
-        _norm_rope_q(q, eps, f)
+        _norm_rope_q(q, eps, f, numerics)
 
 
-def fused_store_cache(rows, cache, out_loc, page_size, dialect: Fp8Dialect) -> None:
-    _store_rows(rows, cache, out_loc, page_size, dialect)
+def fused_store_cache(rows, cache, out_loc, page_size, dialect: Fp8Dialect,
+                      numerics: StoreNumerics = DEFAULT_NUMERICS) -> None:
+    _store_rows(rows, cache, out_loc, page_size, dialect, numerics)
 
 
 def store_kv_pack(nope_fp8, rope_bf16, scales, cache, out_loc, page_size) -> None:
@@ -89,7 +118,7 @@ def fused_translate_norm_rope_store(kv, weight, eps, freqs_cis, positions, full_
                                     cache, page_size, swa_loc_out, dialect: Fp8Dialect) -> None:
     swa = translate_full_to_swa(full_loc, full_to_swa)
     write_loc = torch.where(swa > 0, swa, torch.full_like(swa, -1))
-    rows, _ = _norm_rope_rows(kv, weight, eps, freqs_cis, positions)
+    rows, _ = _norm_rope_rows(kv, weight, eps, freqs_cis, positions, DEFAULT_NUMERICS)
     _store_rows(rows, cache, write_loc, page_size, dialect)
     if swa_loc_out is not None:
         swa_loc_out.copy_(swa)

@@ -12,25 +12,38 @@ import triton
 import triton.language as tl
 
 from . import kv_layout as L
+from .kv_layout import DEFAULT_NUMERICS
 from .triton_kv_row import (AMAX_FLOOR, INDEX_DIM, LAUNCH_OPTIONS, N_TILES, NOPE_DIM, SCALE_BYTES,
                             fp8_type, indexer_offsets, load_nope, load_rope, nope_offsets,
-                            quantize_tiles, rms_inverse, rope_offsets, rotate_pairs, store_kv_row)
+                            quantize_tiles, rms_inverse, rope_offsets, rotate_pairs,
+                            rotate_pairs_fma, store_kv_row)
 
 
 @triton.jit
 def _norm_rope_kv_row(kv_row, weight_ptr, eps, freq_row, freq_stride_pair, cache_ptr, loc, keep,
                       PAGE_SIZE: tl.constexpr, PAGE_BYTES: tl.constexpr,
-                      FP8: tl.constexpr, FP8_MAX: tl.constexpr):
+                      FP8: tl.constexpr, FP8_MAX: tl.constexpr, TILE_AMAX_FLOOR: tl.constexpr,
+                      ROUND_BF16: tl.constexpr):
     nope = load_nope(kv_row).to(tl.float32)
     rope = load_rope(kv_row + NOPE_DIM).to(tl.float32)
     r = rms_inverse(nope, rope, eps)
     w_nope = load_nope(weight_ptr).to(tl.float32)
     w_rope = load_rope(weight_ptr + NOPE_DIM).to(tl.float32)
-    nope = (w_nope * (nope * r)).to(tl.bfloat16).to(tl.float32)
-    rope = (w_rope * (rope * r)).to(tl.bfloat16).to(tl.float32)
-    nope_bytes, scale_bytes = quantize_tiles(nope, FP8, FP8_MAX)
+    nope = w_nope * (nope * r)
+    rope = w_rope * (rope * r)
+    if ROUND_BF16:
+        nope = nope.to(tl.bfloat16).to(tl.float32)
+        rope = rope.to(tl.bfloat16).to(tl.float32)
+    nope_bytes, scale_bytes = quantize_tiles(nope, FP8, FP8_MAX, TILE_AMAX_FLOOR)
     rope = rotate_pairs(rope, freq_row, freq_stride_pair)
     store_kv_row(cache_ptr, loc, keep, nope_bytes, rope, scale_bytes, PAGE_SIZE, PAGE_BYTES)
+
+
+@triton.jit
+def _rope_q_head(q_head, freq_row, freq_stride_pair):
+    """RoPE only (no norm) of the last 64 dims of one q head, in place, fma-rounded."""
+    rope = load_rope(q_head + NOPE_DIM).to(tl.float32)
+    tl.store(q_head + NOPE_DIM + rope_offsets(), rotate_pairs_fma(rope, freq_row, freq_stride_pair))
 
 
 @triton.jit
@@ -52,10 +65,13 @@ def norm_rope_store_kernel(kv_ptr, kv_stride, weight_ptr, eps, freq_ptr, freq_st
                            cache_ptr, q_ptr, q_stride_row, q_stride_head,
                            PAGE_SIZE: tl.constexpr, PAGE_BYTES: tl.constexpr,
                            FP8: tl.constexpr, FP8_MAX: tl.constexpr, TRANSLATE: tl.constexpr,
-                           HAS_SWA_OUT: tl.constexpr, HAS_Q: tl.constexpr):
+                           HAS_SWA_OUT: tl.constexpr, HAS_Q: tl.constexpr,
+                           TILE_AMAX_FLOOR: tl.constexpr, ROUND_BF16: tl.constexpr,
+                           Q_ROPE_ONLY: tl.constexpr):
     """Grid (N, 1 + H): program (i, 0) normalizes, rotates, quantizes and stores kv row i;
-    program (i, h + 1) normalizes and rotates q[i, h] in place. With TRANSLATE, loc_ptr holds
-    full-pool locations mapped through full_to_swa (negative or unmapped 0 = skip)."""
+    program (i, h + 1) normalizes and rotates q[i, h] in place (only rotates with Q_ROPE_ONLY),
+    whatever row i's location. With TRANSLATE, loc_ptr holds full-pool locations mapped through
+    full_to_swa (negative or unmapped 0 = skip)."""
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     pos = tl.load(pos_ptr + row * pos_stride).to(tl.int64)
@@ -70,15 +86,19 @@ def norm_rope_store_kernel(kv_ptr, kv_stride, weight_ptr, eps, freq_ptr, freq_st
         else:
             keep = loc >= 0
         _norm_rope_kv_row(kv_ptr + row * kv_stride, weight_ptr, eps, freq_row, freq_stride_pair,
-                          cache_ptr, loc, keep, PAGE_SIZE, PAGE_BYTES, FP8, FP8_MAX)
+                          cache_ptr, loc, keep, PAGE_SIZE, PAGE_BYTES, FP8, FP8_MAX,
+                          TILE_AMAX_FLOOR, ROUND_BF16)
     else:
         if HAS_Q:
             q_head = q_ptr + row * q_stride_row + (head - 1).to(tl.int64) * q_stride_head
-            _norm_rope_q_head(q_head, eps, freq_row, freq_stride_pair)
+            if Q_ROPE_ONLY:
+                _rope_q_head(q_head, freq_row, freq_stride_pair)
+            else:
+                _norm_rope_q_head(q_head, eps, freq_row, freq_stride_pair)
 
 
 def _launch_norm_rope(kv, weight, eps, freqs_cis, positions, loc, full_to_swa, swa_loc_out, cache,
-                      page_size, q, dialect):
+                      page_size, q, dialect, numerics=DEFAULT_NUMERICS):
     n = kv.shape[0]
     if n == 0:
         return
@@ -93,14 +113,15 @@ def _launch_norm_rope(kv, weight, eps, freqs_cis, positions, loc, full_to_swa, s
         swa_loc_out.stride(0), cache, kv if q is None else q, 0 if q is None else q.stride(0),
         0 if q is None else q.stride(1),
         PAGE_SIZE=page_size, PAGE_BYTES=L.page_bytes(page_size), FP8=fp8_type(dialect),
-        FP8_MAX=dialect.max, TRANSLATE=translate,
-        HAS_SWA_OUT=has_swa_out, HAS_Q=q is not None, **LAUNCH_OPTIONS)
+        FP8_MAX=numerics.fp8_max_for(dialect), TRANSLATE=translate,
+        HAS_SWA_OUT=has_swa_out, HAS_Q=q is not None, TILE_AMAX_FLOOR=numerics.amax_floor,
+        ROUND_BF16=numerics.round_to_bf16, Q_ROPE_ONLY=numerics.q_rope_only, **LAUNCH_OPTIONS)
 
 
 def fused_k_norm_rope_store(kv, weight, eps, freqs_cis, positions, out_loc, cache, page_size,
-                            q, dialect) -> None:
+                            q, dialect, numerics=DEFAULT_NUMERICS) -> None:
     _launch_norm_rope(kv, weight, eps, freqs_cis, positions, out_loc, None, None, cache,
-                      page_size, q, dialect)
+                      page_size, q, dialect, numerics)
 
 
 def fused_translate_norm_rope_store(kv, weight, eps, freqs_cis, positions, full_loc, full_to_swa,
@@ -112,22 +133,25 @@ def fused_translate_norm_rope_store(kv, weight, eps, freqs_cis, positions, full_
 @triton.jit
 def store_cache_kernel(rows_ptr, row_stride, loc_ptr, loc_stride, cache_ptr,
                        PAGE_SIZE: tl.constexpr,
-                       PAGE_BYTES: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr):
+                       PAGE_BYTES: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+                       TILE_AMAX_FLOOR: tl.constexpr):
     """Quantize and store one already normalized and rotated bf16 row per program."""
     row = tl.program_id(0).to(tl.int64)
     loc = tl.load(loc_ptr + row * loc_stride).to(tl.int64)
     row_ptr = rows_ptr + row * row_stride
-    nope_bytes, scale_bytes = quantize_tiles(load_nope(row_ptr).to(tl.float32), FP8, FP8_MAX)
+    nope_bytes, scale_bytes = quantize_tiles(load_nope(row_ptr).to(tl.float32), FP8, FP8_MAX,
+                                             TILE_AMAX_FLOOR)
     store_kv_row(cache_ptr, loc, loc >= 0, nope_bytes, load_rope(row_ptr + NOPE_DIM), scale_bytes,
                  PAGE_SIZE, PAGE_BYTES)
 
 
-def fused_store_cache(rows, cache, out_loc, page_size, dialect) -> None:
+def fused_store_cache(rows, cache, out_loc, page_size, dialect, numerics=DEFAULT_NUMERICS):
     if rows.shape[0] == 0:
         return
     store_cache_kernel[(rows.shape[0],)](
         rows, rows.stride(0), out_loc, out_loc.stride(0), cache, PAGE_SIZE=page_size,
-        PAGE_BYTES=L.page_bytes(page_size), FP8=fp8_type(dialect), FP8_MAX=dialect.max,
+        PAGE_BYTES=L.page_bytes(page_size), FP8=fp8_type(dialect),
+        FP8_MAX=numerics.fp8_max_for(dialect), TILE_AMAX_FLOOR=numerics.amax_floor,
         **LAUNCH_OPTIONS)
 
 

@@ -41,17 +41,25 @@ def _variants(dialect):
                  "q_ptr": "*bf16", "q_stride_row": "i32:D", "q_stride_head": "i32:D", **loc}
     unit = {"pos_stride": 1, "loc_stride": 1, "map_stride": 1, "swa_out_stride": 1}
 
-    def norm_rope_variant(translate, has_swa_out, has_q):
-        flags = {"TRANSLATE": translate, "HAS_SWA_OUT": has_swa_out, "HAS_Q": has_q}
-        return K.norm_rope_store_kernel, norm_rope, {**unit, **swa_page, **fp8, **flags}
+    def numerics(n=L.DEFAULT_NUMERICS):
+        return {"FP8": fp8_type(dialect), "FP8_MAX": n.fp8_max_for(dialect),
+                "TILE_AMAX_FLOOR": n.amax_floor, "ROUND_BF16": n.round_to_bf16,
+                "Q_ROPE_ONLY": n.q_rope_only}
 
+    def norm_rope_variant(translate, has_swa_out, has_q, n=L.DEFAULT_NUMERICS):
+        flags = {"TRANSLATE": translate, "HAS_SWA_OUT": has_swa_out, "HAS_Q": has_q}
+        return K.norm_rope_store_kernel, norm_rope, {**unit, **swa_page, **numerics(n), **flags}
+
+    # A host engine's numerics (fp32 through norm and RoPE, q rotated only; see StoreNumerics).
+    host = L.StoreNumerics(round_to_bf16=False, q_rope_only=True)
     return {
         "fused_k_norm_rope_store": norm_rope_variant(False, False, False),
         "fused_k_norm_rope_store+q": norm_rope_variant(False, False, True),
+        "fused_k_norm_rope_store+q (fp32, q rope only)": norm_rope_variant(False, False, True, host),
         "fused_translate_norm_rope_store": norm_rope_variant(True, True, False),
         "fused_store_cache": (
             K.store_cache_kernel, {"rows_ptr": "*bf16", "row_stride": "i32:D", **loc},
-            {"loc_stride": 1, **c4_page, **fp8}),
+            {"loc_stride": 1, **c4_page, **fp8, "TILE_AMAX_FLOOR": L.AMAX_FLOOR}),
         "store_kv_pack": (
             K.store_pack_kernel,
             {"nope_ptr": "*u8", "nope_stride": "i32:D", "rope_ptr": "*bf16", "rope_stride": "i32:D",

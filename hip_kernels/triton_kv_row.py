@@ -110,11 +110,23 @@ def rotate_pairs(rope, freq_row_ptr, freq_stride_pair):
 
 
 @triton.jit
-def quantize_tiles(nope, FP8: tl.constexpr, FP8_MAX: tl.constexpr):
-    """Per-tile fp8 quantization of fp32 (bf16-valued) nope [8, 64]: scale 2^e with
-    e = ceil(log2(max(amax, 1e-4) / FP8_MAX)) from the fp32 bits. Returns (fp8 bytes [8, 64],
-    scale bytes [8]: 7 ue8m0 + a zero pad byte)."""
-    amax = tl.maximum(tl.max(tl.abs(nope), axis=1), AMAX_FLOOR)
+def rotate_pairs_fma(rope, freq_row_ptr, freq_stride_pair):
+    """RoPE of fp32 pairs [32, 2] rounded as fma(a, c, rn(-b*d)), fma(b, c, rn(a*d)), to bf16
+    (`StoreNumerics.q_rope_only`)."""
+    cs = tl.load(freq_row_ptr + tl.arange(0, PAIRS)[:, None] * freq_stride_pair
+                 + tl.arange(0, 2)[None, :])
+    c, d = tl.split(cs)
+    a, b = tl.split(rope)
+    return tl.join(tl.fma(a, c, -(b * d)), tl.fma(b, c, a * d)).to(tl.bfloat16)
+
+
+@triton.jit
+def quantize_tiles(nope, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+                   TILE_AMAX_FLOOR: tl.constexpr):
+    """Per-tile fp8 quantization of fp32 nope [8, 64]: scale 2^e with
+    e = ceil(log2(max(amax, TILE_AMAX_FLOOR) / FP8_MAX)) from the fp32 bits. Returns (fp8 bytes
+    [8, 64], scale bytes [8]: 7 ue8m0 + a zero pad byte)."""
+    amax = tl.maximum(tl.max(tl.abs(nope), axis=1), TILE_AMAX_FLOOR)
     bits = tl.div_rn(amax, tl.full([TILE_BLOCK], FP8_MAX, tl.float32)).to(tl.int32, bitcast=True)
     exp = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
     inv_scale = ((127 - exp) << 23).to(tl.float32, bitcast=True)

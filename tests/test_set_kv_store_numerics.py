@@ -1,0 +1,143 @@
+"""StoreNumerics: the set-KV stores with another writer's numerics (fp32 through norm and RoPE,
+another fp8 maximum and amax floor, q rotated only), byte-exact between torch and Triton, and each
+parameter checked against a plain restatement of what it means."""
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import hip_kernels  # noqa: E402
+from hip_kernels import kv_layout as L  # noqa: E402
+from hip_kernels.backend import resolve  # noqa: E402
+from hip_kernels.platform import DIALECTS, default_device  # noqa: E402
+from kv_inputs import clone_args, kv_cache, norm_rope_args, same_bytes, to_device  # noqa: E402
+from triton_interp_shim import interpreter_shim  # noqa: E402,F401 (autouse fixture)
+
+DEV = default_device()
+HOST = L.StoreNumerics(round_to_bf16=False, q_rope_only=True)
+VARIANTS = {
+    "fp32 rows, q rope only": HOST,
+    "fnuz max 224": L.StoreNumerics(round_to_bf16=False, fp8_max=224.0, q_rope_only=True),
+    "amax floor 1e-8": L.StoreNumerics(amax_floor=1e-8),
+}
+
+
+def run(flag_env, backend, dialect, op, args, numerics):
+    flag_env(DSV4_KERNEL_BACKEND=backend, DSV4_FP8_DIALECT=dialect)
+    assert resolve(op, DEV, numerics) == backend
+    a = to_device(clone_args(args), DEV)
+    getattr(hip_kernels, op)(**a, numerics=numerics)
+    return to_device(a, "cpu")
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("dialect", ("fnuz", "ocp"))
+def test_triton_matches_torch_with_host_numerics(flag_env, name, dialect):
+    numerics = VARIANTS[name]
+    if numerics.fp8_max is not None and numerics.fp8_max > DIALECTS[dialect].max:
+        pytest.skip("fp8_max above this dialect's maximum")
+    args = norm_rope_args(seed=7, n=9, page_size=4, pages=4, heads=2)
+    out = {b: run(flag_env, b, dialect, "fused_k_norm_rope_store", args, numerics)
+           for b in ("torch", "triton")}
+    assert same_bytes(out["torch"]["cache"], out["triton"]["cache"])
+    assert same_bytes(out["torch"]["q"], out["triton"]["q"])
+    rows = args["kv"][:, :L.HEAD_DIM].contiguous()
+    store = dict(rows=rows, cache=kv_cache(4, 4), out_loc=args["out_loc"], page_size=4)
+    out = {b: run(flag_env, b, dialect, "fused_store_cache", store, numerics)
+           for b in ("torch", "triton")}
+    assert same_bytes(out["torch"]["cache"], out["triton"]["cache"])
+
+
+def test_unrounded_rows_are_quantized_from_fp32(flag_env):
+    """round_to_bf16=False: the quantized values are the fp32 norm output, not its bf16 rounding
+    (on random rows some fp8 bytes must differ between the two)."""
+    flag_env(DSV4_KERNEL_BACKEND="torch")
+    args = norm_rope_args(seed=3, n=16, page_size=16, pages=1)
+    args["out_loc"] = torch.arange(16)
+    loc = args["out_loc"]
+    caches = {}
+    for numerics in (L.DEFAULT_NUMERICS, HOST):
+        a = clone_args(args)
+        hip_kernels.fused_k_norm_rope_store(**a, numerics=numerics)
+        caches[numerics.round_to_bf16] = a["cache"]
+    x = args["kv"][:, :L.HEAD_DIM].double()
+    y = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6) * args["weight"].double()
+    for rounded, cache in caches.items():
+        got = L.read_kv_rows(cache, loc, 16)[:, :L.NOPE_DIM]
+        want = y[:, :L.NOPE_DIM]
+        # e4m3 keeps 3 mantissa bits: within 2^-4 relative (plus bf16's 2^-8 when rounded first)
+        bound = want.abs() * (2 ** -4 + 2 ** -8) + 1e-3
+        assert ((got - want).abs() <= bound).all(), f"round_to_bf16={rounded}"
+    values = {k: L.read_kv_bytes(c, loc, 16)[0][:, :L.NOPE_DIM] for k, c in caches.items()}
+    assert (values[True] != values[False]).any()
+
+
+@pytest.mark.parametrize("fp8_max, floor", [(224.0, 1e-4), (240.0, 1e-8)])
+def test_fp8_max_and_amax_floor(flag_env, fp8_max, floor):
+    """Each tile's scale is 2^ceil(log2(max(amax, floor) / fp8_max)) and no value exceeds fp8_max
+    (fnuz). A tile of tiny values shows the floor; a tile holding exactly fp8_max * 2^k shows
+    the maximum."""
+    flag_env(DSV4_KERNEL_BACKEND="torch", DSV4_FP8_DIALECT="fnuz")
+    numerics = L.StoreNumerics(fp8_max=fp8_max, amax_floor=floor)
+    rows = torch.zeros(2, L.HEAD_DIM)
+    rows[0, :64] = 1e-7                      # tile 0: amax below both floors
+    rows[0, 64:128] = fp8_max * 4            # tile 1: exactly fp8_max * 2^2
+    rows[1] = torch.linspace(-3, 3, L.HEAD_DIM)
+    rows = rows.to(torch.bfloat16)
+    nope, _, scales = L.quantize_kv_rows(rows, DIALECTS["fnuz"], numerics)
+    amax = rows[:, :L.NOPE_DIM].float().view(2, 7, 64).abs().amax(-1).clamp_min(floor)
+    want = torch.tensor([[math.ceil(math.log2(a / fp8_max)) + 127 for a in r.tolist()]
+                         for r in amax.double()], dtype=torch.uint8)
+    assert torch.equal(scales, want)
+    assert nope.float().abs().max().item() <= fp8_max
+    assert scales[0, 1].item() == 127 + 2                     # fp8_max * 4 -> scale 2^2
+    assert nope[0, 64:128].float().eq(fp8_max).all()
+
+
+def test_q_rope_only_rotates_the_tail_of_every_row(flag_env):
+    """q_rope_only: dims 0..447 of q untouched (no norm), dims 448..511 rotated with the
+    fma rounding, also for rows whose location is negative (they write no KV)."""
+    flag_env(DSV4_KERNEL_BACKEND="torch")
+    args = norm_rope_args(seed=11, n=6, page_size=4, pages=2, heads=3)
+    args["out_loc"] = torch.tensor([0, -1, 5, -1, 7, 2])
+    a = clone_args(args)
+    hip_kernels.fused_k_norm_rope_store(**a, numerics=HOST)
+    q0, q1 = args["q"], a["q"]
+    assert same_bytes(q1[..., :L.NOPE_DIM], q0[..., :L.NOPE_DIM])
+    f = args["freqs_cis"][args["positions"].long()]
+    c, s = f.real.unsqueeze(1).double(), f.imag.unsqueeze(1).double()
+    x, y = q0[..., L.NOPE_DIM::2].double(), q0[..., L.NOPE_DIM + 1::2].double()
+    re = (x * c + (-(y * s)).float().double()).float()
+    im = (y * c + (x * s).float().double()).float()
+    want = torch.stack([re, im], -1).flatten(-2).to(torch.bfloat16)
+    assert same_bytes(q1[..., L.NOPE_DIM:], want)
+
+
+def test_bad_numerics_are_refused_before_a_write(flag_env):
+    flag_env(DSV4_KERNEL_BACKEND="torch", DSV4_FP8_DIALECT="fnuz")
+    args = norm_rope_args(seed=1, n=2, page_size=4, pages=1)
+    before = args["cache"].clone()
+    with pytest.raises(ValueError, match="fp8_max=448.0 exceeds the fnuz fp8 maximum 240"):
+        hip_kernels.fused_k_norm_rope_store(**args, numerics=L.StoreNumerics(fp8_max=448.0))
+    with pytest.raises(TypeError, match="numerics must be a hip_kernels.StoreNumerics"):
+        hip_kernels.fused_store_cache(args["kv"], args["cache"], args["out_loc"], 4, numerics={})
+    assert same_bytes(args["cache"], before)
+    with pytest.raises(ValueError, match="amax_floor must be > 0"):
+        L.StoreNumerics(amax_floor=0.0)
+
+
+def test_hip_runs_the_default_numerics_only(flag_env, monkeypatch):
+    """The HIP C++ kernels have no numerics parameters: other numerics resolve to Triton."""
+    import hip_kernels.backend as B
+    flag_env(DSV4_KERNEL_BACKEND="auto")
+    monkeypatch.setattr(B, "platform_backend", lambda: "rocm")
+    monkeypatch.setattr(B, "hip_available", lambda: True)
+    monkeypatch.setattr(B, "triton_usable", lambda device: True)
+    gpu = torch.device("cuda")
+    assert resolve("fused_k_norm_rope_store", gpu) == "hip"
+    assert resolve("fused_k_norm_rope_store", gpu, HOST) == "triton"
+    flag_env(DSV4_KERNEL_BACKEND="hip")
+    assert resolve("fused_store_cache", gpu, L.StoreNumerics(amax_floor=1e-8)) == "triton"
