@@ -18,7 +18,14 @@ def _cmd_env(args: argparse.Namespace) -> int:
     print(f"{'flag':<{w}}  {'value':<{vw}}  source   meaning")
     for name, value, source, help_ in rows:
         print(f"{name:<{w}}  {value:<{vw}}  {source:<7}  {help_}")
-    return 1 if any(r[1].startswith("ERROR") for r in rows) else 0
+    bad = any(r[1].startswith("ERROR") for r in rows)
+    if not bad:
+        from .plugins import sglang, vllm
+
+        print("\nserving plugins (what each would replace in the installed engine):")
+        for plugin in (sglang, vllm):
+            print(f"  {plugin.status()}")
+    return 1 if bad else 0
 
 
 def _build_model(args: argparse.Namespace):

@@ -13,3 +13,9 @@ GRAPH = bool_flag(
 GRAPH_BACKEND = choice_flag(
     "DSV4_GRAPH_BACKEND", ("auto", "cuda", "emulate"), "auto",
     "graph backend: auto = torch.cuda.CUDAGraph where a GPU exists, else the CPU emulation", PKG)
+SGLANG_PLUGIN = bool_flag(
+    "DSV4_SGLANG_PLUGIN", True,
+    "let SGLang's plugin loader install this backend's SWA KV setters (0 = SGLang's own)", PKG)
+VLLM_PLUGIN = bool_flag(
+    "DSV4_VLLM_PLUGIN", True,
+    "let vLLM's plugin loader install this backend's DeepSeek-V4 KV insert (0 = vLLM's own)", PKG)

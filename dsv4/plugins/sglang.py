@@ -1,0 +1,187 @@
+"""SGLang plugin: SGLang's DeepSeek-V4 SWA KV writes run on this backend's set-KV kernels.
+
+SGLang's loader (`sglang.srt.plugins.load_plugins`, first thing in every scheduler/TP worker
+process) calls `register()` through the entry point `dsv4_rocm` of the group
+`sglang.srt.plugins`; `SGLANG_PLUGINS` can leave it out and `DSV4_SGLANG_PLUGIN=0` turns it off.
+`register()` checks the installed pool's method signatures, then registers AROUND hooks with
+SGLang's `HookRegistry` (applied by the loader right after the plugins ran) on:
+
+- `DeepSeekV4TokenToKVPool.set_swa_key_buffer_radix_fused(layer_id, swa_loc, cache_k)`: our
+  `fused_store_cache` into `get_swa_raw_buffer(layer_id)`;
+- `DeepSeekV4TokenToKVPool.set_swa_key_buffer_radix_fused_norm_rope(layer_id, swa_loc, kv,
+  kv_weight, eps, freqs_cis, positions, q=None)`: our `fused_k_norm_rope_store`;
+- where the installed SGLang has it (the 0.5.12 line), `get_cached_swa_loc(raw_loc, layer_id)`:
+  our identity-keyed translation cache instead of its "layer_id == start_layer" rule.
+
+The stores write SGLang's own buffers in SGLang's V4 layout (the same bytes as ours: 576-byte
+value rows, then 8-byte scale rows, page stride a multiple of 576) with SGLang's numerics on ROCm
+(`StoreNumerics` below). A pool that is not a plain paged V4 pool (request window, uniform FP8,
+unified KV, another layout) keeps SGLang's setters, said once per pool in the log. SGLang's loader
+swallows a plugin's exceptions, so failures here are logged loudly by the plugin itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+from hip_kernels import kv_layout as L
+from hip_kernels import set_kv
+from hip_kernels.backend import resolve
+from hip_kernels.platform import default_device, fp8_dialect
+
+from .. import envs
+from .host_signatures import class_methods, installed_version
+from .swa_loc_adapter import cached_swa_loc_hook
+
+logger = logging.getLogger(__name__)
+
+POOL_MODULE = "sglang.srt.mem_cache.deepseek_v4_memory_pool"
+POOL_CLASS = "DeepSeekV4TokenToKVPool"
+POOL = f"{POOL_MODULE}.{POOL_CLASS}"
+# The fnuz maximum SGLang's fused norm+RoPE kernel clamps to on gfx942 (its kFP8E4M3Max).
+SGLANG_FNUZ_MAX = 224.0
+
+
+@functools.lru_cache(maxsize=None)
+def _numerics(op: str, dialect_name: str) -> L.StoreNumerics:
+    if op == "fused_k_norm_rope_store":
+        # fp32 through the norm and the RoPE, fp32 quantized, q only rotated (fma-rounded).
+        fnuz_max = SGLANG_FNUZ_MAX if dialect_name == "fnuz" else None
+        return L.StoreNumerics(round_to_bf16=False, fp8_max=fnuz_max, q_rope_only=True)
+    # SGLang's ROCm Triton store: the dtype's own maximum, tile amax floored at 1e-8.
+    return L.StoreNumerics(amax_floor=1e-8)
+
+
+def sglang_numerics(op: str) -> L.StoreNumerics:
+    """The StoreNumerics that reproduce what SGLang 0.5.23's own ROCm kernel writes for `op`."""
+    return _numerics(op, fp8_dialect().name)
+
+
+def _keeps_sglang_setters(pool) -> str | None:
+    """Why `pool` is not a plain paged V4 pool (so SGLang's own setters stay), or None."""
+    if getattr(pool, "request_window", None) is not None:
+        return "its SWA KV lives in a request window"
+    if getattr(pool, "uniform_fp8", False):
+        return "it keeps uniform FP8 pages (--dsv4-attn-backend trtllm)"
+    if getattr(pool, "_unified_kv", False) or getattr(pool, "unified_kv_pool", None) is not None:
+        return "it uses the unified KV layout"
+    layout = getattr(getattr(pool, "kv_layout", None), "value", None)
+    if layout != "v4":
+        return f"its KV layout is {layout!r}, not 'v4'"
+    swa = getattr(pool, "swa_kv_pool", None)
+    if swa is None:
+        return "it has no paged SWA pool"
+    if swa.page_size != pool.swa_page_size:
+        return (f"its physical SWA page size {swa.page_size} differs from the logical "
+                f"{pool.swa_page_size}")
+    return None
+
+
+def _ours(pool) -> bool:
+    decided = pool.__dict__.get("_dsv4_rocm_setters")
+    if decided is None:
+        reason = _keeps_sglang_setters(pool)
+        if reason:
+            logger.warning("dsv4-rocm: this %s keeps SGLang's own SWA setters: %s",
+                           POOL_CLASS, reason)
+        decided = pool.__dict__["_dsv4_rocm_setters"] = reason is None
+    return decided
+
+
+def fused_store_hook(original, self, layer_id, swa_loc, cache_k):
+    if not _ours(self):
+        return original(self, layer_id, swa_loc, cache_k)
+    set_kv.fused_store_cache(cache_k, self.get_swa_raw_buffer(layer_id), swa_loc,
+                             self.swa_page_size,
+                             numerics=sglang_numerics("fused_store_cache"))
+
+
+def fused_norm_rope_hook(original, self, layer_id, swa_loc, kv, kv_weight, eps, freqs_cis,
+                         positions, q=None):
+    if not _ours(self):
+        return original(self, layer_id, swa_loc, kv, kv_weight, eps, freqs_cis, positions, q)
+    set_kv.fused_k_norm_rope_store(kv, kv_weight, eps, freqs_cis, positions, swa_loc,
+                                   self.get_swa_raw_buffer(layer_id), self.swa_page_size, q=q,
+                                   numerics=sglang_numerics("fused_k_norm_rope_store"))
+
+
+# method -> (the parameters this plugin was written against, hook, our op or None)
+REPLACEMENTS = {
+    "set_swa_key_buffer_radix_fused": (
+        ("self", "layer_id", "swa_loc", "cache_k"), fused_store_hook, "fused_store_cache"),
+    "set_swa_key_buffer_radix_fused_norm_rope": (
+        ("self", "layer_id", "swa_loc", "kv", "kv_weight", "eps", "freqs_cis", "positions", "q"),
+        fused_norm_rope_hook, "fused_k_norm_rope_store"),
+}
+# Feature-detected: only SGLang versions that translate with the start_layer rule have it.
+LEGACY = {"get_cached_swa_loc": (("self", "raw_loc", "layer_id"), cached_swa_loc_hook, None)}
+
+
+def plan(methods: dict[str, tuple[str, ...]] | None) -> tuple[dict, str | None]:
+    """({method: (params, hook, op)} to replace, None) or ({}, why nothing is replaced)."""
+    if methods is None:
+        return {}, f"{POOL} is not installed"
+    chosen = {}
+    for name, entry in {**REPLACEMENTS, **LEGACY}.items():
+        params = entry[0]
+        if name not in methods:
+            if name in REPLACEMENTS:
+                return {}, f"{POOL_CLASS}.{name} is missing"
+            continue
+        if methods[name] != params:
+            return {}, (f"{POOL_CLASS}.{name}{methods[name]} differs from the expected "
+                        f"{params}")
+        chosen[name] = entry
+    return chosen, None
+
+
+def describe_plan(chosen: dict) -> str:
+    """'method (op on backend), ...' for the activation line and `python -m dsv4 env`."""
+    device = default_device()
+    parts = []
+    for name, (_, _, op) in chosen.items():
+        where = "identity-keyed SWA location cache" if op is None else (
+            f"{op} on {resolve(op, device, sglang_numerics(op))}")
+        parts.append(f"{POOL_CLASS}.{name} -> {where}")
+    return "; ".join(parts)
+
+
+def status() -> str:
+    """One line: what the plugin would do with the installed SGLang (for `python -m dsv4 env`)."""
+    version = installed_version("sglang")
+    if version is None:
+        return "sglang: not installed"
+    if not envs.SGLANG_PLUGIN.get():
+        return f"sglang {version}: plugin off (DSV4_SGLANG_PLUGIN=0)"
+    chosen, problem = plan(class_methods(POOL_MODULE, POOL_CLASS))
+    if problem:
+        return f"sglang {version}: nothing would be replaced ({problem})"
+    return f"sglang {version}: would replace {describe_plan(chosen)}"
+
+
+def register() -> None:
+    """The `sglang.srt.plugins` entry point (zero arguments, called by SGLang's loader)."""
+    try:
+        _register()
+    except Exception:
+        logger.exception("dsv4-rocm: the SGLang plugin failed; SGLang's own KV setters stay")
+        raise
+
+
+def _register() -> None:
+    if not envs.SGLANG_PLUGIN.get():
+        logger.info("dsv4-rocm: SGLang plugin off (DSV4_SGLANG_PLUGIN=0)")
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    chosen, problem = plan(class_methods(POOL_MODULE, POOL_CLASS))
+    if problem:
+        logger.warning("dsv4-rocm: SGLang %s not patched: %s", installed_version("sglang"),
+                       problem)
+        return
+    for name, (_, hook, _) in chosen.items():
+        HookRegistry.register(f"{POOL}.{name}", hook, HookType.AROUND)
+    logger.warning("dsv4-rocm: SGLang %s plugin active (fp8 %s): %s; request-window, uniform-FP8 "
+                   "and unified-KV pools keep SGLang's setters", installed_version("sglang"),
+                   fp8_dialect().name, describe_plan(chosen))

@@ -1,0 +1,9 @@
+"""vLLM plugin (placeholder while being written)."""
+
+
+def status() -> str:
+    return "vllm: not checked"
+
+
+def register() -> None:
+    return None
