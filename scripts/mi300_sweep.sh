@@ -9,6 +9,7 @@
 #     bench_set_kv.json             scripts/bench_set_kv.py
 #     bench_decode.json             scripts/bench_decode.py (flash-shaped layers on a GPU)
 #     bench_decode_pro.json         scripts/bench_decode.py --preset pro (GPU only)
+#     bench_sglang_plugin.json      scripts/bench_sglang_plugin.py (when SGLang is installed)
 #     *.png                         scripts/plot_results.py (skipped without matplotlib)
 #     summary.md                    scripts/summarize_results.py (numbers beside the anchors)
 #     sweep.log                     what ran, and each step's exit status
@@ -87,6 +88,11 @@ if [ "$gpu" = 1 ]; then
   # shellcheck disable=SC2086
   step decode_pro "$py" scripts/bench_decode.py "${quick[@]}" --preset pro --layers 4 \
     --experts 96 ${BENCH_DECODE_PRO_ARGS:-} --out "$dir/bench_decode_pro.json"
+fi
+
+if $py -c "import sglang" 2>/dev/null; then
+  step sglang_plugin "$py" scripts/bench_sglang_plugin.py "${quick[@]}" \
+    --out "$dir/bench_sglang_plugin.json"
 fi
 
 step plots "$py" scripts/plot_results.py "$dir"

@@ -2,6 +2,7 @@
 bench_decode in --quick mode (subprocesses writing the documented JSON), the summary of a
 fabricated results directory, optional plots, and the sweep script's syntax and dry run."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -247,3 +248,30 @@ def test_sweep_script_parses_and_its_dry_run_runs_nothing(tmp_path):
     assert not out_root.exists()
     bad = subprocess.run(["bash", str(sweep), "--bogus"], capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown option" in bad.stderr
+
+
+def test_sglang_plugin_quick_compares_stock_and_plugin(tmp_path):
+    """Both paths in one process; on a CPU SGLang's stock kernel cannot run and says why."""
+    from sglang_host import stub_path_env
+
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("SGLang is not installed (see README)")
+    out = tmp_path / "sglang_plugin.json"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench_sglang_plugin.py"), "--quick", "--no-progress",
+         "--models", "flash", "--batches", "2", "--warmup", "1", "--reps", "2", "--out",
+         str(out)], capture_output=True, text=True, timeout=300, env=stub_path_env())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    record = json.loads(out.read_text())
+    check_record(record, "bench_sglang_plugin")
+    assert record["plugin"].startswith("sglang 0.5.23: would replace")
+    rows = {(r["mode"], r["path"]): r for r in record["results"]}
+    assert set(rows) == {(m, p) for m in ("eager", "graph") for p in ("sglang_stock",
+                                                                        "dsv4_plugin")}
+    for mode in ("eager", "graph"):
+        ours = rows[(mode, "dsv4_plugin")]
+        assert ours["n_layers"] == 43 and ours["launches_per_step"] > 0
+        assert ours["us_per_step_p50"] > 0
+        if not torch.cuda.is_available():
+            assert "only the ROCm K launch ropes q" in rows[(mode, "sglang_stock")]["unavailable"]
+    assert rows[("graph", "dsv4_plugin")]["host_syncs_per_step"] == 0
