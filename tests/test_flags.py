@@ -85,7 +85,8 @@ def _run_cli(*args, env_extra=None):
 def test_cli_env_prints_every_flag_with_value_and_source():
     out = _run_cli("env", env_extra={"DSV4_GRAPH": "off"})
     assert out.returncode == 0, out.stderr
-    lines = {line.split()[0]: line.split() for line in out.stdout.splitlines()[1:]}
+    flag_lines = out.stdout.split("\n\n")[0].splitlines()[1:]
+    lines = {line.split()[0]: line.split() for line in flag_lines}
     assert set(lines) == {f.name for f in flags_table.flags()}
     assert lines["DSV4_GRAPH"][1:3] == ["0", "env"]
     assert lines["DSV4_KERNEL_BACKEND"][1:3] == ["auto", "default"]
@@ -95,3 +96,20 @@ def test_cli_env_reports_bad_value_and_fails():
     out = _run_cli("env", env_extra={"DSV4_FP8_DIALECT": "e5m2"})
     assert out.returncode == 1
     assert "DSV4_FP8_DIALECT='e5m2'" in out.stdout
+
+
+def test_cli_env_says_what_each_serving_plugin_would_replace():
+    from dsv4.plugins.host_signatures import installed_version
+
+    out = _run_cli("env")
+    assert out.returncode == 0, out.stderr
+    plugins = out.stdout.split("serving plugins")[1].splitlines()[1:]
+    sglang = [line.strip() for line in plugins if line.strip().startswith("sglang")]
+    if installed_version("sglang") is None:
+        assert sglang == ["sglang: not installed"]
+    else:
+        assert sglang[0].startswith(f"sglang {installed_version('sglang')}: would replace "
+                                    "DeepSeekV4TokenToKVPool.set_swa_key_buffer_radix_fused -> ")
+    off = _run_cli("env", env_extra={"DSV4_SGLANG_PLUGIN": "0"})
+    assert "plugin off (DSV4_SGLANG_PLUGIN=0)" in off.stdout or "sglang: not installed" in off.stdout
+    assert any(line.strip().startswith("vllm") for line in plugins)

@@ -35,7 +35,7 @@ def test_retraction_and_resume_give_identical_tokens(model, graph):
     """3 prompts of ~100 tokens fill 3 of 4 pages; at token 128 each needs a second page, so the
     latest is retracted to the host and resumed once the others finish."""
     reqs, new = prompts([100, 105, 110]), 40
-    big = Engine(model, max_batch=4, max_context_len=MAX_LEN, page_size=PAGE, graph=False)
+    big = Engine(model, max_batch=4, max_context_len=MAX_LEN, page_size=PAGE, graph=graph)
     want = big.generate(reqs, new)
     small = Engine(model, max_batch=4, max_context_len=MAX_LEN, page_size=PAGE,
                    max_total_tokens=4 * PAGE, graph=graph)
