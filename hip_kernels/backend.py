@@ -2,8 +2,8 @@
 
 auto = HIP C++ when its extension is built on ROCm (and the op has one), else Triton on a GPU,
 else the torch reference. Asking for a backend that cannot run here raises, naming why.
-The HIP C++ kernels implement the default `StoreNumerics` only: a store asked for other numerics
-runs on Triton (on a GPU) instead, as an op without a HIP version does.
+The HIP C++ kernels implement the default `StoreNumerics` with a norm weight on contiguous caches:
+a call outside that (`hip_ok=False`) runs on Triton (on a GPU), as an op without a HIP version.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import os
 import torch
 
 from . import envs
-from .kv_layout import DEFAULT_NUMERICS, StoreNumerics
 from .platform import backend as platform_backend
 
 HIP_OPS = ("fused_k_norm_rope_store", "fused_store_cache", "fused_translate_norm_rope_store")
@@ -38,10 +37,11 @@ def triton_usable(device: torch.device) -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
 
 
-def resolve(op: str, device: torch.device, numerics: StoreNumerics = DEFAULT_NUMERICS) -> str:
-    """The backend name that will run `op` for tensors on `device` with `numerics`."""
+def resolve(op: str, device: torch.device, hip_ok: bool = True) -> str:
+    """The backend name that will run `op` for tensors on `device` (hip_ok=False: a call the
+    HIP kernel does not cover)."""
     choice = envs.KERNEL_BACKEND.get()
-    has_hip = op in HIP_OPS and numerics.is_default
+    has_hip = op in HIP_OPS and hip_ok
     if choice == "torch":
         return "torch"
     if choice == "hip":

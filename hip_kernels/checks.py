@@ -40,6 +40,26 @@ def check_cache(name: str, cache, row_bytes: int, page_size: int, device) -> Non
         raise ValueError(f"{name} must be contiguous")
 
 
+def check_kv_cache(name: str, cache, page_size: int, device) -> None:
+    """A V4-layout cache: contiguous [pages, page_bytes(page_size)], or [pages, page_size * 584]
+    with unit inner stride and pages stride(0) >= page_bytes(page_size) bytes apart."""
+    from .kv_layout import TOKEN_BYTES, page_bytes
+
+    check_tensor(name, cache, dtype=torch.uint8, dim=2, device=device)
+    padded, used = page_bytes(page_size), page_size * TOKEN_BYTES
+    if cache.is_contiguous() and cache.shape[1] == padded:
+        return
+    if cache.shape[1] == used and cache.stride(1) == 1 and cache.stride(0) >= padded:
+        return
+    if cache.shape[1] not in (padded, used):
+        raise ValueError(f"{name} has {cache.shape[1]} bytes per page but page_size={page_size} "
+                         f"needs {padded} (or a view of the {used} used bytes with a page "
+                         f"stride >= {padded}): page-size mismatch")
+    raise ValueError(f"{name} with {cache.shape[1]} bytes per page must be contiguous, or a view "
+                     f"with unit inner stride and a page stride >= {padded}; got strides "
+                     f"{cache.stride()}")
+
+
 def value_checks_enabled() -> bool:
     """Range checks read tensor values on the host: skipped inside graph capture, and when
     DSV4_KERNEL_VALUE_CHECKS=0 (eager decode on a GPU then avoids one sync per op)."""

@@ -7,6 +7,11 @@ One token of a KV row takes 584 bytes: 448 fp8 "nope" values, 64 bf16 RoPE value
     [P*576, P*584)         token t's 8 scale bytes at P*576 + t*8 (7 ue8m0 + 1 pad)
     [P*584, page_bytes(P)) zero padding: the page stride is a multiple of 576
 
+A cache is a uint8 tensor [pages, bytes]: either contiguous with page_bytes(P) bytes per page, or a
+view of the P*584 used bytes of each page whose stride(0) is the page stride (a host engine may
+space pages further apart, e.g. when layers with different page sizes share a block). Writers and
+readers take the page stride from `cache.stride(0)`, never from the formula.
+
 Indexer cache: 132 bytes per token, page = [P*128 fp8 values][P*4 fp32 scales].
 
 The functions here are the torch reference (the CPU path and every kernel's test oracle).
@@ -35,6 +40,9 @@ INDEX_DIM = 128
 INDEX_TOKEN_BYTES = INDEX_DIM + 4      # 132
 
 
+Q_MODES = ("norm_rope", "norm_rope_fp32", "rope_only")
+
+
 @dataclass(frozen=True)
 class StoreNumerics:
     """How a KV row is computed before it lands in the layout. The byte layout never changes;
@@ -48,16 +56,21 @@ class StoreNumerics:
     - fp8_max: the clamp and the scale divisor of the fp8 cast; None = the dialect's largest
       finite value (240 fnuz, 448 OCP). Some writers use 224 with fnuz.
     - amax_floor: the smallest tile amax used for a scale (1e-4; some writers use 1e-8).
-    - q_rope_only: with a fused q, only RoPE its last 64 dims of every head (no RMSNorm), and
-      round each rotated pair as `fma(x, cos, round(-y*sin))`, `fma(y, cos, round(x*sin))`.
+    - q_mode, what a fused q gets:
+      "norm_rope": weightless RMSNorm rounded to bf16, then RoPE of the bf16 values (the
+      reference); "norm_rope_fp32": RMSNorm and RoPE in fp32, one rounding to bf16 at the end;
+      "rope_only": only its last 64 dims rotated (no norm), each pair rounded as
+      `fma(x, cos, round(-y*sin))`, `fma(y, cos, round(x*sin))`.
     """
 
     round_to_bf16: bool = True
     fp8_max: float | None = None
     amax_floor: float = AMAX_FLOOR
-    q_rope_only: bool = False
+    q_mode: str = "norm_rope"
 
     def __post_init__(self):
+        if self.q_mode not in Q_MODES:
+            raise ValueError(f"StoreNumerics.q_mode must be one of {Q_MODES}, got {self.q_mode!r}")
         if self.fp8_max is not None and not 0 < self.fp8_max <= 448:
             raise ValueError(f"StoreNumerics.fp8_max must be in (0, 448] or None, got {self.fp8_max}")
         if not self.amax_floor > 0:
@@ -94,17 +107,28 @@ def indexer_page_bytes(page_size: int) -> int:
     return page_size * INDEX_TOKEN_BYTES
 
 
-def value_offset(loc: torch.Tensor, page_size: int) -> torch.Tensor:
-    """int64 byte offset of each location's value bytes in a flattened cache."""
+def value_offset(loc: torch.Tensor, page_size: int, page_stride: int | None = None) -> torch.Tensor:
+    """int64 byte offset of each location's value bytes in a flattened cache (page_stride:
+    bytes from one page to the next, default page_bytes(page_size))."""
     loc = loc.to(torch.int64)
-    return (loc // page_size) * page_bytes(page_size) + (loc % page_size) * VALUE_BYTES
+    stride = page_stride or page_bytes(page_size)
+    return (loc // page_size) * stride + (loc % page_size) * VALUE_BYTES
 
 
-def scale_offset(loc: torch.Tensor, page_size: int) -> torch.Tensor:
+def scale_offset(loc: torch.Tensor, page_size: int, page_stride: int | None = None) -> torch.Tensor:
     """int64 byte offset of each location's 8 scale bytes in a flattened cache."""
     loc = loc.to(torch.int64)
-    return ((loc // page_size) * page_bytes(page_size) + page_size * VALUE_BYTES
-            + (loc % page_size) * SCALE_BYTES)
+    stride = page_stride or page_bytes(page_size)
+    return (loc // page_size) * stride + page_size * VALUE_BYTES + (loc % page_size) * SCALE_BYTES
+
+
+def cache_bytes(cache: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a [pages, bytes] cache from its first byte to its last, pages at
+    cache.stride(0) bytes apart (the gaps between strided pages included, never written)."""
+    if cache.is_contiguous():
+        return cache.view(-1)
+    span = (cache.shape[0] - 1) * cache.stride(0) + cache.shape[1] if cache.shape[0] else 0
+    return cache.as_strided((span,), (1,))
 
 
 def pow2_ceil_exponent(r: torch.Tensor) -> torch.Tensor:
@@ -177,16 +201,18 @@ def write_kv_bytes(cache: torch.Tensor, loc: torch.Tensor, page_size: int,
     """Scatter packed rows into the cache at loc; rows with loc < 0 are skipped."""
     keep = loc >= 0
     safe = loc.clamp_min(0)
-    flat = cache.view(-1)
-    scatter_bytes(flat, _byte_index(value_offset(safe, page_size), VALUE_BYTES), values, keep)
-    scatter_bytes(flat, _byte_index(scale_offset(safe, page_size), SCALE_BYTES), scale_bytes, keep)
+    flat, stride = cache_bytes(cache), cache.stride(0)
+    scatter_bytes(flat, _byte_index(value_offset(safe, page_size, stride), VALUE_BYTES), values,
+                  keep)
+    scatter_bytes(flat, _byte_index(scale_offset(safe, page_size, stride), SCALE_BYTES),
+                  scale_bytes, keep)
 
 
 def read_kv_bytes(cache: torch.Tensor, loc: torch.Tensor, page_size: int):
     """(value bytes [N, 576], scale bytes [N, 8]) of the rows at loc (all loc must be >= 0)."""
-    flat = cache.view(-1)
-    values = flat[_byte_index(value_offset(loc, page_size), VALUE_BYTES)]
-    scale_bytes = flat[_byte_index(scale_offset(loc, page_size), SCALE_BYTES)]
+    flat, stride = cache_bytes(cache), cache.stride(0)
+    values = flat[_byte_index(value_offset(loc, page_size, stride), VALUE_BYTES)]
+    scale_bytes = flat[_byte_index(scale_offset(loc, page_size, stride), SCALE_BYTES)]
     return values, scale_bytes
 
 

@@ -12,7 +12,8 @@ import torch
 
 from . import kv_layout as L
 from .backend import implementation, resolve
-from .checks import check_cache, check_locations, check_tensor, value_checks_enabled
+from .checks import (check_cache, check_kv_cache, check_locations, check_tensor,
+                     value_checks_enabled)
 from .kv_layout import DEFAULT_NUMERICS, StoreNumerics
 from .platform import fp8_dialect
 from .set_kv_ref import translate_full_to_swa
@@ -23,14 +24,15 @@ FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 def _check_norm_rope_args(kv, weight, freqs_cis, positions, cache, page_size):
     check_tensor("kv", kv, dtype=torch.bfloat16, shape=(None, L.HEAD_DIM), last_contiguous=True)
     dev = kv.device
-    check_tensor("weight", weight, dtypes=FLOATS, shape=(L.HEAD_DIM,), device=dev,
-                 last_contiguous=True)
+    if weight is not None:
+        check_tensor("weight", weight, dtypes=FLOATS, shape=(L.HEAD_DIM,), device=dev,
+                     last_contiguous=True)
     check_tensor("freqs_cis", freqs_cis, dtype=torch.complex64, shape=(None, L.ROPE_DIM // 2),
                  device=dev)
     check_tensor("positions", positions, dtypes=(torch.int32, torch.int64), shape=(kv.shape[0],),
                  device=dev)
     _check_positions(positions, freqs_cis.shape[0])
-    check_cache("cache", cache, L.page_bytes(page_size), page_size, dev)
+    check_kv_cache("cache", cache, page_size, dev)
 
 
 def _check_positions(positions, max_pos):
@@ -51,6 +53,11 @@ def _check_q(q, n, dev):
         raise ValueError(f"q must have shape [{n}, H, {L.HEAD_DIM}], got {tuple(q.shape)}")
 
 
+def _hip_ok(numerics: StoreNumerics, cache, weight=True) -> bool:
+    """The HIP C++ kernels run the default numerics, with a weight, on contiguous caches."""
+    return numerics.is_default and cache.is_contiguous() and weight is not None
+
+
 def _check_numerics(numerics) -> StoreNumerics:
     if not isinstance(numerics, StoreNumerics):
         raise TypeError(f"numerics must be a hip_kernels.StoreNumerics, got {type(numerics).__name__}")
@@ -61,13 +68,15 @@ def _check_numerics(numerics) -> StoreNumerics:
 def fused_k_norm_rope_store(kv, weight, eps, freqs_cis, positions, out_loc, cache, page_size,
                             q=None, numerics: StoreNumerics = DEFAULT_NUMERICS) -> None:
     """RMSNorm(kv)*weight, RoPE on dims 448..511, FP8-quantize dims 0..447, store at out_loc.
-    With q [N, H, 512], also applies the weightless per-head RMSNorm + RoPE to q in place (RoPE
-    only with numerics.q_rope_only), for every row, whatever its location."""
+    weight None: kv arrives normalized (RoPE and store only). With q [N, H, 512], also applies
+    the weightless per-head RMSNorm + RoPE to q in place (as numerics.q_mode says), for every
+    row, whatever its location."""
     _check_numerics(numerics)
     _check_norm_rope_args(kv, weight, freqs_cis, positions, cache, page_size)
     _check_q(q, kv.shape[0], kv.device)
     check_locations("out_loc", out_loc, kv.shape[0], cache.shape[0] * page_size, kv.device)
-    impl = implementation(resolve("fused_k_norm_rope_store", kv.device, numerics))
+    impl = implementation(resolve("fused_k_norm_rope_store", kv.device,
+                                  _hip_ok(numerics, cache, weight)))
     impl.fused_k_norm_rope_store(kv, weight, eps, freqs_cis, positions, out_loc, cache, page_size,
                                  q, fp8_dialect(), **_numerics_kwarg(numerics))
 
@@ -77,9 +86,9 @@ def fused_store_cache(rows, cache, out_loc, page_size,
     """Quantize already normalized and rotated rows [N, 512] bf16 and store them at out_loc."""
     _check_numerics(numerics)
     check_tensor("rows", rows, dtype=torch.bfloat16, shape=(None, L.HEAD_DIM), last_contiguous=True)
-    check_cache("cache", cache, L.page_bytes(page_size), page_size, rows.device)
+    check_kv_cache("cache", cache, page_size, rows.device)
     check_locations("out_loc", out_loc, rows.shape[0], cache.shape[0] * page_size, rows.device)
-    impl = implementation(resolve("fused_store_cache", rows.device, numerics))
+    impl = implementation(resolve("fused_store_cache", rows.device, _hip_ok(numerics, cache)))
     impl.fused_store_cache(rows, cache, out_loc, page_size, fp8_dialect(),
                            **_numerics_kwarg(numerics))
 
@@ -100,7 +109,7 @@ def store_kv_pack(nope_fp8, rope_bf16, scales, cache, out_loc, page_size) -> Non
                  last_contiguous=True)
     check_tensor("scales", scales, dtype=torch.uint8, shape=(n, L.N_TILES), device=dev,
                  last_contiguous=True)
-    check_cache("cache", cache, L.page_bytes(page_size), page_size, dev)
+    check_kv_cache("cache", cache, page_size, dev)
     check_locations("out_loc", out_loc, n, cache.shape[0] * page_size, dev)
     impl = implementation(resolve("store_kv_pack", dev))
     impl.store_kv_pack(nope_fp8, rope_bf16, scales, cache, out_loc, page_size)
@@ -131,6 +140,7 @@ def fused_translate_norm_rope_store(kv, weight, eps, freqs_cis, positions, full_
         if hi >= cache.shape[0] * page_size:
             raise IndexError(f"full_to_swa maps a location of full_loc to SWA slot {hi} but the "
                              f"cache has {cache.shape[0] * page_size} slots")
-    impl = implementation(resolve("fused_translate_norm_rope_store", dev))
+    impl = implementation(resolve("fused_translate_norm_rope_store", dev,
+                                  _hip_ok(DEFAULT_NUMERICS, cache, weight)))
     impl.fused_translate_norm_rope_store(kv, weight, eps, freqs_cis, positions, full_loc,
                                          full_to_swa, cache, page_size, swa_loc_out, fp8_dialect())

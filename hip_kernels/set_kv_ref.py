@@ -9,8 +9,8 @@ Numerics every backend reproduces (so fused and unfused paths write identical by
 - FP8 quantization of the bf16 nope dims as in `kv_layout.quantize_kv_rows`.
 
 `kv_layout.StoreNumerics` changes these points explicitly (a host engine's own writer):
-without the bf16 rounding the normed row stays fp32 through RoPE and quantization; with
-q_rope_only a fused q is only rotated, each pair as fma(x, c, rn(-y*s)), fma(y, c, rn(x*s)).
+without the bf16 rounding the normed row stays fp32 through RoPE and quantization; q_mode says
+what a fused q gets (see StoreNumerics). weight None: kv arrives normalized, only RoPE'd.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def rope_fma_bf16(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
 
 
 def _norm_rope_rows(kv, weight, eps, freqs_cis, positions, numerics: StoreNumerics):
-    y = rms_norm_fp32(kv, weight, eps)
+    y = kv.float() if weight is None else rms_norm_fp32(kv, weight, eps)
     if numerics.round_to_bf16:
         y = y.to(torch.bfloat16)
     f = freqs_cis[positions.long()]
@@ -69,12 +69,15 @@ def _norm_rope_rows(kv, weight, eps, freqs_cis, positions, numerics: StoreNumeri
 
 def _norm_rope_q(q, eps, f, numerics: StoreNumerics) -> None:
     cos, sin = f.real.unsqueeze(1), f.imag.unsqueeze(1)
-    if numerics.q_rope_only:
+    if numerics.q_mode == "rope_only":
         q[..., L.NOPE_DIM:] = rope_fma_bf16(q[..., L.NOPE_DIM:], cos, sin)
         return
-    yq = rms_norm_bf16(q, None, eps)
-    yq[..., L.NOPE_DIM:] = rope_bf16(yq[..., L.NOPE_DIM:], cos, sin)
-    q.copy_(yq)
+    yq = rms_norm_fp32(q, None, eps)
+    if numerics.q_mode == "norm_rope":
+        yq = yq.to(torch.bfloat16)
+    rope = rope_bf16(yq[..., L.NOPE_DIM:], cos, sin)
+    q[..., :L.NOPE_DIM] = yq[..., :L.NOPE_DIM]
+    q[..., L.NOPE_DIM:] = rope
 
 
 def _store_rows(rows, cache, loc, page_size, dialect: Fp8Dialect,

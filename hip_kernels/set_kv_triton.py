@@ -23,14 +23,15 @@ from .triton_kv_row import (AMAX_FLOOR, INDEX_DIM, LAUNCH_OPTIONS, N_TILES, NOPE
 def _norm_rope_kv_row(kv_row, weight_ptr, eps, freq_row, freq_stride_pair, cache_ptr, loc, keep,
                       PAGE_SIZE: tl.constexpr, PAGE_BYTES: tl.constexpr,
                       FP8: tl.constexpr, FP8_MAX: tl.constexpr, TILE_AMAX_FLOOR: tl.constexpr,
-                      ROUND_BF16: tl.constexpr):
+                      ROUND_BF16: tl.constexpr, KV_NORM: tl.constexpr):
     nope = load_nope(kv_row).to(tl.float32)
     rope = load_rope(kv_row + NOPE_DIM).to(tl.float32)
-    r = rms_inverse(nope, rope, eps)
-    w_nope = load_nope(weight_ptr).to(tl.float32)
-    w_rope = load_rope(weight_ptr + NOPE_DIM).to(tl.float32)
-    nope = w_nope * (nope * r)
-    rope = w_rope * (rope * r)
+    if KV_NORM:
+        r = rms_inverse(nope, rope, eps)
+        w_nope = load_nope(weight_ptr).to(tl.float32)
+        w_rope = load_rope(weight_ptr + NOPE_DIM).to(tl.float32)
+        nope = w_nope * (nope * r)
+        rope = w_rope * (rope * r)
     if ROUND_BF16:
         nope = nope.to(tl.bfloat16).to(tl.float32)
         rope = rope.to(tl.bfloat16).to(tl.float32)
@@ -47,14 +48,17 @@ def _rope_q_head(q_head, freq_row, freq_stride_pair):
 
 
 @triton.jit
-def _norm_rope_q_head(q_head, eps, freq_row, freq_stride_pair):
-    """Weightless RMSNorm + RoPE of one q head [512] bf16, in place."""
+def _norm_rope_q_head(q_head, eps, freq_row, freq_stride_pair, ROUND_NORM: tl.constexpr):
+    """Weightless RMSNorm + RoPE of one q head [512] bf16, in place (ROUND_NORM: the norm is
+    rounded to bf16 before the RoPE; else the RoPE takes the fp32 norm)."""
     nope = load_nope(q_head).to(tl.float32)
     rope = load_rope(q_head + NOPE_DIM).to(tl.float32)
     r = rms_inverse(nope, rope, eps)
     offs, mask = nope_offsets()
     tl.store(q_head + offs, (nope * r).to(tl.bfloat16), mask=mask)
-    rope = (rope * r).to(tl.bfloat16).to(tl.float32)
+    rope = rope * r
+    if ROUND_NORM:
+        rope = rope.to(tl.bfloat16).to(tl.float32)
     tl.store(q_head + NOPE_DIM + rope_offsets(), rotate_pairs(rope, freq_row, freq_stride_pair))
 
 
@@ -67,10 +71,10 @@ def norm_rope_store_kernel(kv_ptr, kv_stride, weight_ptr, eps, freq_ptr, freq_st
                            FP8: tl.constexpr, FP8_MAX: tl.constexpr, TRANSLATE: tl.constexpr,
                            HAS_SWA_OUT: tl.constexpr, HAS_Q: tl.constexpr,
                            TILE_AMAX_FLOOR: tl.constexpr, ROUND_BF16: tl.constexpr,
-                           Q_ROPE_ONLY: tl.constexpr):
-    """Grid (N, 1 + H): program (i, 0) normalizes, rotates, quantizes and stores kv row i;
-    program (i, h + 1) normalizes and rotates q[i, h] in place (only rotates with Q_ROPE_ONLY),
-    whatever row i's location. With TRANSLATE, loc_ptr holds full-pool locations mapped through
+                           KV_NORM: tl.constexpr, Q_MODE: tl.constexpr):
+    """Grid (N, 1 + H): program (i, 0) normalizes (KV_NORM), rotates, quantizes and stores kv
+    row i; program (i, h + 1) treats q[i, h] in place as Q_MODE says (Q_MODES index), whatever
+    row i's location. With TRANSLATE, loc_ptr holds full-pool locations mapped through
     full_to_swa (negative or unmapped 0 = skip)."""
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -87,14 +91,14 @@ def norm_rope_store_kernel(kv_ptr, kv_stride, weight_ptr, eps, freq_ptr, freq_st
             keep = loc >= 0
         _norm_rope_kv_row(kv_ptr + row * kv_stride, weight_ptr, eps, freq_row, freq_stride_pair,
                           cache_ptr, loc, keep, PAGE_SIZE, PAGE_BYTES, FP8, FP8_MAX,
-                          TILE_AMAX_FLOOR, ROUND_BF16)
+                          TILE_AMAX_FLOOR, ROUND_BF16, KV_NORM)
     else:
         if HAS_Q:
             q_head = q_ptr + row * q_stride_row + (head - 1).to(tl.int64) * q_stride_head
-            if Q_ROPE_ONLY:
+            if Q_MODE == 2:
                 _rope_q_head(q_head, freq_row, freq_stride_pair)
             else:
-                _norm_rope_q_head(q_head, eps, freq_row, freq_stride_pair)
+                _norm_rope_q_head(q_head, eps, freq_row, freq_stride_pair, Q_MODE == 0)
 
 
 def _launch_norm_rope(kv, weight, eps, freqs_cis, positions, loc, full_to_swa, swa_loc_out, cache,
@@ -108,14 +112,15 @@ def _launch_norm_rope(kv, weight, eps, freqs_cis, positions, loc, full_to_swa, s
     full_to_swa = loc if full_to_swa is None else full_to_swa      # placeholders when absent
     swa_loc_out = loc if swa_loc_out is None else swa_loc_out
     norm_rope_store_kernel[(n, 1 + heads)](
-        kv, kv.stride(0), weight, float(eps), freqs, freqs.stride(0), freqs.stride(1), positions,
+        kv, kv.stride(0), kv if weight is None else weight, float(eps), freqs, freqs.stride(0), freqs.stride(1), positions,
         positions.stride(0), loc, loc.stride(0), full_to_swa, full_to_swa.stride(0), swa_loc_out,
         swa_loc_out.stride(0), cache, kv if q is None else q, 0 if q is None else q.stride(0),
         0 if q is None else q.stride(1),
-        PAGE_SIZE=page_size, PAGE_BYTES=L.page_bytes(page_size), FP8=fp8_type(dialect),
+        PAGE_SIZE=page_size, PAGE_BYTES=cache.stride(0), FP8=fp8_type(dialect),
         FP8_MAX=numerics.fp8_max_for(dialect), TRANSLATE=translate,
         HAS_SWA_OUT=has_swa_out, HAS_Q=q is not None, TILE_AMAX_FLOOR=numerics.amax_floor,
-        ROUND_BF16=numerics.round_to_bf16, Q_ROPE_ONLY=numerics.q_rope_only, **LAUNCH_OPTIONS)
+        ROUND_BF16=numerics.round_to_bf16, KV_NORM=weight is not None,
+        Q_MODE=L.Q_MODES.index(numerics.q_mode), **LAUNCH_OPTIONS)
 
 
 def fused_k_norm_rope_store(kv, weight, eps, freqs_cis, positions, out_loc, cache, page_size,
@@ -150,7 +155,7 @@ def fused_store_cache(rows, cache, out_loc, page_size, dialect, numerics=DEFAULT
         return
     store_cache_kernel[(rows.shape[0],)](
         rows, rows.stride(0), out_loc, out_loc.stride(0), cache, PAGE_SIZE=page_size,
-        PAGE_BYTES=L.page_bytes(page_size), FP8=fp8_type(dialect),
+        PAGE_BYTES=cache.stride(0), FP8=fp8_type(dialect),
         FP8_MAX=numerics.fp8_max_for(dialect), TILE_AMAX_FLOOR=numerics.amax_floor,
         **LAUNCH_OPTIONS)
 
@@ -175,7 +180,7 @@ def store_kv_pack(nope_fp8, rope_bf16, scales, cache, out_loc, page_size) -> Non
     store_pack_kernel[(nope_fp8.shape[0],)](
         nope_fp8.view(torch.uint8), nope_fp8.stride(0), rope_bf16, rope_bf16.stride(0), scales,
         scales.stride(0), out_loc, out_loc.stride(0), cache, PAGE_SIZE=page_size,
-        PAGE_BYTES=L.page_bytes(page_size), **LAUNCH_OPTIONS)
+        PAGE_BYTES=cache.stride(0), **LAUNCH_OPTIONS)
 
 
 @triton.jit

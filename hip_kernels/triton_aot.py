@@ -44,18 +44,21 @@ def _variants(dialect):
     def numerics(n=L.DEFAULT_NUMERICS):
         return {"FP8": fp8_type(dialect), "FP8_MAX": n.fp8_max_for(dialect),
                 "TILE_AMAX_FLOOR": n.amax_floor, "ROUND_BF16": n.round_to_bf16,
-                "Q_ROPE_ONLY": n.q_rope_only}
+                "KV_NORM": True, "Q_MODE": L.Q_MODES.index(n.q_mode)}
 
-    def norm_rope_variant(translate, has_swa_out, has_q, n=L.DEFAULT_NUMERICS):
+    def norm_rope_variant(translate, has_swa_out, has_q, n=L.DEFAULT_NUMERICS, kv_norm=True):
         flags = {"TRANSLATE": translate, "HAS_SWA_OUT": has_swa_out, "HAS_Q": has_q}
-        return K.norm_rope_store_kernel, norm_rope, {**unit, **swa_page, **numerics(n), **flags}
+        return K.norm_rope_store_kernel, norm_rope, {**unit, **swa_page, **numerics(n), **flags,
+                                                     "KV_NORM": kv_norm}
 
     # A host engine's numerics (fp32 through norm and RoPE, q rotated only; see StoreNumerics).
-    host = L.StoreNumerics(round_to_bf16=False, q_rope_only=True)
+    host = L.StoreNumerics(round_to_bf16=False, q_mode="rope_only")
     return {
         "fused_k_norm_rope_store": norm_rope_variant(False, False, False),
         "fused_k_norm_rope_store+q": norm_rope_variant(False, False, True),
         "fused_k_norm_rope_store+q (fp32, q rope only)": norm_rope_variant(False, False, True, host),
+        "fused_k_norm_rope_store+q (normed kv, q fp32)": norm_rope_variant(
+            False, False, True, L.StoreNumerics(q_mode="norm_rope_fp32"), kv_norm=False),
         "fused_translate_norm_rope_store": norm_rope_variant(True, True, False),
         "fused_store_cache": (
             K.store_cache_kernel, {"rows_ptr": "*bf16", "row_stride": "i32:D", **loc},

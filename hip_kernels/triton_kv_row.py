@@ -112,7 +112,7 @@ def rotate_pairs(rope, freq_row_ptr, freq_stride_pair):
 @triton.jit
 def rotate_pairs_fma(rope, freq_row_ptr, freq_stride_pair):
     """RoPE of fp32 pairs [32, 2] rounded as fma(a, c, rn(-b*d)), fma(b, c, rn(a*d)), to bf16
-    (`StoreNumerics.q_rope_only`)."""
+    (`StoreNumerics.q_mode` "rope_only")."""
     cs = tl.load(freq_row_ptr + tl.arange(0, PAIRS)[:, None] * freq_stride_pair
                  + tl.arange(0, 2)[None, :])
     c, d = tl.split(cs)

@@ -4,6 +4,7 @@ parameter checked against a plain restatement of what it means."""
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -13,21 +14,24 @@ import hip_kernels  # noqa: E402
 from hip_kernels import kv_layout as L  # noqa: E402
 from hip_kernels.backend import resolve  # noqa: E402
 from hip_kernels.platform import DIALECTS, default_device  # noqa: E402
-from kv_inputs import clone_args, kv_cache, norm_rope_args, same_bytes, to_device  # noqa: E402
+import v4_layout_encoder as E  # noqa: E402
+from kv_inputs import (SENTINEL, clone_args, kv_cache, norm_rope_args, same_bytes,  # noqa: E402
+                       to_device)
 from triton_interp_shim import interpreter_shim  # noqa: E402,F401 (autouse fixture)
 
 DEV = default_device()
-HOST = L.StoreNumerics(round_to_bf16=False, q_rope_only=True)
+HOST = L.StoreNumerics(round_to_bf16=False, q_mode="rope_only")
 VARIANTS = {
     "fp32 rows, q rope only": HOST,
-    "fnuz max 224": L.StoreNumerics(round_to_bf16=False, fp8_max=224.0, q_rope_only=True),
+    "fnuz max 224": L.StoreNumerics(round_to_bf16=False, fp8_max=224.0, q_mode="rope_only"),
+    "q norm and rope in fp32": L.StoreNumerics(fp8_max=224.0, q_mode="norm_rope_fp32"),
     "amax floor 1e-8": L.StoreNumerics(amax_floor=1e-8),
 }
 
 
 def run(flag_env, backend, dialect, op, args, numerics):
     flag_env(DSV4_KERNEL_BACKEND=backend, DSV4_FP8_DIALECT=dialect)
-    assert resolve(op, DEV, numerics) == backend
+    assert resolve(op, DEV, numerics.is_default) == backend
     a = to_device(clone_args(args), DEV)
     getattr(hip_kernels, op)(**a, numerics=numerics)
     return to_device(a, "cpu")
@@ -129,15 +133,95 @@ def test_bad_numerics_are_refused_before_a_write(flag_env):
         L.StoreNumerics(amax_floor=0.0)
 
 
-def test_hip_runs_the_default_numerics_only(flag_env, monkeypatch):
-    """The HIP C++ kernels have no numerics parameters: other numerics resolve to Triton."""
+def test_hip_runs_only_what_it_covers(flag_env, monkeypatch):
+    """The HIP C++ kernels take the default numerics, a norm weight and a contiguous cache:
+    other calls resolve to Triton."""
     import hip_kernels.backend as B
+    from hip_kernels.set_kv import _hip_ok
     flag_env(DSV4_KERNEL_BACKEND="auto")
     monkeypatch.setattr(B, "platform_backend", lambda: "rocm")
     monkeypatch.setattr(B, "hip_available", lambda: True)
     monkeypatch.setattr(B, "triton_usable", lambda device: True)
     gpu = torch.device("cuda")
-    assert resolve("fused_k_norm_rope_store", gpu) == "hip"
-    assert resolve("fused_k_norm_rope_store", gpu, HOST) == "triton"
+    cache = kv_cache(2, 4)
+    assert resolve("fused_k_norm_rope_store", gpu, _hip_ok(L.DEFAULT_NUMERICS, cache)) == "hip"
+    for ok in (_hip_ok(HOST, cache), _hip_ok(L.DEFAULT_NUMERICS, cache, weight=None),
+               _hip_ok(L.DEFAULT_NUMERICS, strided_cache(2, 4, gap=576)[0])):
+        assert not ok
+        assert resolve("fused_k_norm_rope_store", gpu, ok) == "triton"
     flag_env(DSV4_KERNEL_BACKEND="hip")
-    assert resolve("fused_store_cache", gpu, L.StoreNumerics(amax_floor=1e-8)) == "triton"
+    assert resolve("fused_store_cache", gpu, False) == "triton"
+
+
+def strided_cache(pages: int, page_size: int, gap: int, device="cpu"):
+    """(view, base): a view of the page_size*584 used bytes of pages laid gap bytes further apart
+    than page_bytes (as a host engine that interleaves layers in one block lays them), and the
+    sentinel-filled tensor it views."""
+    base = torch.full((pages, L.page_bytes(page_size) + gap), SENTINEL, dtype=torch.uint8,
+                      device=device)
+    return base[:, :page_size * L.TOKEN_BYTES], base
+
+
+VLLM_LIKE = L.StoreNumerics(q_mode="norm_rope_fp32")
+
+
+@pytest.mark.parametrize("dialect", ("fnuz", "ocp"))
+def test_strided_pages_without_kv_norm(flag_env, dialect):
+    """weight=None (kv arrives normalized) into a cache whose pages are stride(0) bytes apart:
+    Triton and torch agree byte for byte, every row lands where a contiguous cache has it, and
+    the bytes between pages are never written."""
+    args = norm_rope_args(seed=21, n=10, page_size=4, pages=4, heads=2)
+    args["weight"] = None
+    base, q = {}, {}
+    for backend in ("torch", "triton"):
+        flag_env(DSV4_KERNEL_BACKEND=backend, DSV4_FP8_DIALECT=dialect)
+        view, pages = strided_cache(4, 4, gap=2 * 576, device=DEV)
+        a = dict(to_device(clone_args(args), DEV), cache=view)
+        hip_kernels.fused_k_norm_rope_store(**a, numerics=VLLM_LIKE)
+        base[backend], q[backend] = pages.cpu(), a["q"].cpu()
+    assert same_bytes(base["torch"], base["triton"])
+    assert same_bytes(q["torch"], q["triton"])
+    assert (base["torch"][:, 4 * L.TOKEN_BYTES:] == SENTINEL).all()
+    ref = run(flag_env, "torch", dialect, "fused_k_norm_rope_store", args, VLLM_LIKE)
+    assert same_bytes(ref["cache"][:, :4 * L.TOKEN_BYTES], base["torch"][:, :4 * L.TOKEN_BYTES])
+
+
+def test_no_kv_norm_stores_the_rotated_input(flag_env):
+    """weight=None: the stored row is kv itself with dims 448..511 rotated (fp32, one bf16
+    rounding), quantized as the layout says (independent encoder, byte-exact)."""
+    flag_env(DSV4_KERNEL_BACKEND="torch")
+    args = norm_rope_args(seed=4, n=5, page_size=8, pages=1)
+    args.update(weight=None, out_loc=torch.tensor([0, 3, 7, -1, 5]))
+    a = clone_args(args)
+    hip_kernels.fused_k_norm_rope_store(**a)
+    f = args["freqs_cis"][args["positions"].long()]
+    cos, sin = f.real.numpy(), f.imag.numpy()
+    rows = args["kv"][:, :L.HEAD_DIM].float().numpy().copy()
+    x, y = rows[:, 448::2].copy(), rows[:, 449::2].copy()
+    rows[:, 448::2], rows[:, 449::2] = E.bf16(x * cos - y * sin), E.bf16(x * sin + y * cos)
+    want = args["cache"].numpy().copy()
+    E.encode_into(want, 8, [0, 3, 7, -1, 5], rows, torch.float8_e4m3fn, 448.0, 1e-4)
+    assert (a["cache"].numpy() == want).all()
+
+
+def test_q_norm_rope_fp32_rounds_once(flag_env):
+    """q_mode norm_rope_fp32: weightless RMSNorm and RoPE in fp32, one bf16 rounding (an
+    independent numpy restatement, bit-exact); differs from the default's two roundings."""
+    flag_env(DSV4_KERNEL_BACKEND="torch")
+    args = norm_rope_args(seed=9, n=6, page_size=4, pages=2, heads=3)
+    outs = {}
+    for numerics in (VLLM_LIKE, L.DEFAULT_NUMERICS):
+        a = clone_args(args)
+        hip_kernels.fused_k_norm_rope_store(**a, numerics=numerics)
+        outs[numerics.q_mode] = a["q"]
+    q = args["q"].float().numpy()
+    ss = (q.astype("float64") ** 2).sum(-1, keepdims=True)
+    r = np.float32(1.0) / np.sqrt((ss / 512).astype(np.float32) + np.float32(1e-6))
+    y = q * r
+    f = args["freqs_cis"][args["positions"].long()]
+    c, s_ = f.real.numpy()[:, None, :], f.imag.numpy()[:, None, :]
+    a_, b_ = y[..., 448::2].copy(), y[..., 449::2].copy()
+    y[..., 448::2], y[..., 449::2] = a_ * c - b_ * s_, a_ * s_ + b_ * c
+    want = torch.from_numpy(y).to(torch.bfloat16)
+    assert same_bytes(outs["norm_rope_fp32"], want)
+    assert not same_bytes(outs["norm_rope"], want)

@@ -48,7 +48,7 @@ def _numerics(op: str, dialect_name: str) -> L.StoreNumerics:
     if op == "fused_k_norm_rope_store":
         # fp32 through the norm and the RoPE, fp32 quantized, q only rotated (fma-rounded).
         fnuz_max = SGLANG_FNUZ_MAX if dialect_name == "fnuz" else None
-        return L.StoreNumerics(round_to_bf16=False, fp8_max=fnuz_max, q_rope_only=True)
+        return L.StoreNumerics(round_to_bf16=False, fp8_max=fnuz_max, q_mode="rope_only")
     # SGLang's ROCm Triton store: the dtype's own maximum, tile amax floored at 1e-8.
     return L.StoreNumerics(amax_floor=1e-8)
 
@@ -142,7 +142,7 @@ def describe_plan(chosen: dict) -> str:
     parts = []
     for name, (_, _, op) in chosen.items():
         where = "identity-keyed SWA location cache" if op is None else (
-            f"{op} on {resolve(op, device, sglang_numerics(op))}")
+            f"{op} on {resolve(op, device, sglang_numerics(op).is_default)}")
         parts.append(f"{POOL_CLASS}.{name} -> {where}")
     return "; ".join(parts)
 
