@@ -42,22 +42,22 @@ def check_cache(name: str, cache, row_bytes: int, page_size: int, device) -> Non
 
 def check_kv_cache(name: str, cache, page_size: int, device) -> None:
     """A V4-layout cache: contiguous [pages, page_bytes(page_size)], or [pages, page_size * 584]
-    with unit inner stride and pages stride(0) >= page_bytes(page_size) bytes apart."""
+    (the used bytes of each page) with unit inner stride and pages stride(0) bytes apart."""
     from .kv_layout import TOKEN_BYTES, page_bytes
 
     check_tensor(name, cache, dtype=torch.uint8, dim=2, device=device)
     padded, used = page_bytes(page_size), page_size * TOKEN_BYTES
     if cache.is_contiguous() and cache.shape[1] == padded:
         return
-    if cache.shape[1] == used and cache.stride(1) == 1 and cache.stride(0) >= padded:
+    if cache.shape[1] == used and cache.stride(1) == 1 and cache.stride(0) >= used:
         return
     if cache.shape[1] not in (padded, used):
         raise ValueError(f"{name} has {cache.shape[1]} bytes per page but page_size={page_size} "
-                         f"needs {padded} (or a view of the {used} used bytes with a page "
-                         f"stride >= {padded}): page-size mismatch")
+                         f"needs {padded} (or a view of the {used} used bytes of each page): "
+                         "page-size mismatch")
     raise ValueError(f"{name} with {cache.shape[1]} bytes per page must be contiguous, or a view "
-                     f"with unit inner stride and a page stride >= {padded}; got strides "
-                     f"{cache.stride()}")
+                     f"of the {used} used bytes with unit inner stride and pages at least {used} "
+                     f"bytes apart; got strides {cache.stride()}")
 
 
 def value_checks_enabled() -> bool:

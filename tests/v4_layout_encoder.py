@@ -49,7 +49,10 @@ def encode_row(row: np.ndarray, fp8_dtype: torch.dtype, fp8_max: float, amax_flo
 
 def encode_into(pages: np.ndarray, page_size: int, loc: list[int], rows: np.ndarray,
                 fp8_dtype: torch.dtype, fp8_max: float, amax_floor: float) -> None:
-    """Write rows at loc (negative = skipped) into `pages` (uint8 [n_pages, page_stride])."""
+    """Write rows at loc (negative = skipped) into `pages` (contiguous uint8
+    [n_pages, page_stride])."""
+    if not pages.flags.c_contiguous:
+        raise ValueError("pages must be a contiguous array")
     flat = pages.reshape(-1)
     stride = page_stride(page_size)
     for slot, row in zip(loc, rows):
