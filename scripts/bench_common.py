@@ -314,6 +314,13 @@ def int_list(text: str) -> list[int]:
     return values
 
 
+def check_choices(p: argparse.ArgumentParser, option: str, values, known) -> None:
+    """Exit through the parser, naming the option, when a value is not one of `known`."""
+    unknown = [v for v in values if v not in known]
+    if unknown:
+        p.error(f"--{option}: unknown {unknown}; choose from {list(known)}")
+
+
 def new_record(benchmark: str, args: argparse.Namespace, config: dict) -> dict:
     return {
         "benchmark": benchmark,

@@ -176,9 +176,7 @@ def parse_args(argv=None):
     bc.resolve_repetitions(args)
     asked = args.backends is not None
     args.backends = (args.backends or ",".join(BACKENDS)).split(",")
-    unknown = [b for b in args.backends if b not in BACKENDS]
-    if unknown:
-        p.error(f"--backends: unknown {unknown}; choose from {list(BACKENDS)}")
+    bc.check_choices(p, "backends", args.backends, BACKENDS)
     args.asked = asked
     args.pages = -(-4 * max(args.ns) // args.page_size) + 1
     return args

@@ -137,9 +137,7 @@ def parse_args(argv=None):
     args.models, args.modes = args.models.split(","), args.modes.split(",")
     args.batches = args.batches or ([1, 8] if args.quick else [1, 8, 64])
     for name, values, known in (("models", args.models, MODELS), ("modes", args.modes, MODES)):
-        unknown = [v for v in values if v not in known]
-        if unknown:
-            p.error(f"--{name}: unknown {unknown}; choose from {list(known)}")
+        bc.check_choices(p, name, values, known)
     return args
 
 

@@ -234,9 +234,7 @@ def parse_args(argv=None):
     args.methods, args.modes = args.methods.split(","), args.modes.split(",")
     for name, values, known in (("models", args.models, MODELS), ("methods", args.methods, METHODS),
                                 ("modes", args.modes, MODES)):
-        unknown = [v for v in values if v not in known]
-        if unknown:
-            p.error(f"--{name}: unknown {unknown}; choose from {list(known)}")
+        bc.check_choices(p, name, values, known)
     return args
 
 
