@@ -72,7 +72,8 @@ class StoreNumerics:
         if self.q_mode not in Q_MODES:
             raise ValueError(f"StoreNumerics.q_mode must be one of {Q_MODES}, got {self.q_mode!r}")
         if self.fp8_max is not None and not 0 < self.fp8_max <= 448:
-            raise ValueError(f"StoreNumerics.fp8_max must be in (0, 448] or None, got {self.fp8_max}")
+            raise ValueError(f"StoreNumerics.fp8_max must be in (0, 448] or None, got "
+                             f"{self.fp8_max}")
         if not self.amax_floor > 0:
             raise ValueError(f"StoreNumerics.amax_floor must be > 0, got {self.amax_floor}")
 

@@ -53,14 +53,15 @@ def _check_q(q, n, dev):
         raise ValueError(f"q must have shape [{n}, H, {L.HEAD_DIM}], got {tuple(q.shape)}")
 
 
-def _hip_ok(numerics: StoreNumerics, cache, weight=True) -> bool:
+def _hip_ok(numerics: StoreNumerics, cache, has_weight: bool = True) -> bool:
     """The HIP C++ kernels run the default numerics, with a weight, on contiguous caches."""
-    return numerics.is_default and cache.is_contiguous() and weight is not None
+    return numerics.is_default and cache.is_contiguous() and has_weight
 
 
 def _check_numerics(numerics) -> StoreNumerics:
     if not isinstance(numerics, StoreNumerics):
-        raise TypeError(f"numerics must be a hip_kernels.StoreNumerics, got {type(numerics).__name__}")
+        raise TypeError(f"numerics must be a hip_kernels.StoreNumerics, got "
+                        f"{type(numerics).__name__}")
     numerics.fp8_max_for(fp8_dialect())
     return numerics
 
@@ -76,7 +77,7 @@ def fused_k_norm_rope_store(kv, weight, eps, freqs_cis, positions, out_loc, cach
     _check_q(q, kv.shape[0], kv.device)
     check_locations("out_loc", out_loc, kv.shape[0], cache.shape[0] * page_size, kv.device)
     impl = implementation(resolve("fused_k_norm_rope_store", kv.device,
-                                  _hip_ok(numerics, cache, weight)))
+                                  _hip_ok(numerics, cache, weight is not None)))
     impl.fused_k_norm_rope_store(kv, weight, eps, freqs_cis, positions, out_loc, cache, page_size,
                                  q, fp8_dialect(), **_numerics_kwarg(numerics))
 
@@ -141,6 +142,6 @@ def fused_translate_norm_rope_store(kv, weight, eps, freqs_cis, positions, full_
             raise IndexError(f"full_to_swa maps a location of full_loc to SWA slot {hi} but the "
                              f"cache has {cache.shape[0] * page_size} slots")
     impl = implementation(resolve("fused_translate_norm_rope_store", dev,
-                                  _hip_ok(DEFAULT_NUMERICS, cache, weight)))
+                                  _hip_ok(DEFAULT_NUMERICS, cache, weight is not None)))
     impl.fused_translate_norm_rope_store(kv, weight, eps, freqs_cis, positions, full_loc,
                                          full_to_swa, cache, page_size, swa_loc_out, fp8_dialect())

@@ -112,7 +112,8 @@ def _launch_norm_rope(kv, weight, eps, freqs_cis, positions, loc, full_to_swa, s
     full_to_swa = loc if full_to_swa is None else full_to_swa      # placeholders when absent
     swa_loc_out = loc if swa_loc_out is None else swa_loc_out
     norm_rope_store_kernel[(n, 1 + heads)](
-        kv, kv.stride(0), kv if weight is None else weight, float(eps), freqs, freqs.stride(0), freqs.stride(1), positions,
+        kv, kv.stride(0), kv if weight is None else weight, float(eps), freqs, freqs.stride(0),
+        freqs.stride(1), positions,
         positions.stride(0), loc, loc.stride(0), full_to_swa, full_to_swa.stride(0), swa_loc_out,
         swa_loc_out.stride(0), cache, kv if q is None else q, 0 if q is None else q.stride(0),
         0 if q is None else q.stride(1),

@@ -56,7 +56,8 @@ def _variants(dialect):
     return {
         "fused_k_norm_rope_store": norm_rope_variant(False, False, False),
         "fused_k_norm_rope_store+q": norm_rope_variant(False, False, True),
-        "fused_k_norm_rope_store+q (fp32, q rope only)": norm_rope_variant(False, False, True, host),
+        "fused_k_norm_rope_store+q (fp32, q rope only)": norm_rope_variant(
+            False, False, True, host),
         "fused_k_norm_rope_store+q (normed kv, q fp32)": norm_rope_variant(
             False, False, True, L.StoreNumerics(q_mode="norm_rope_fp32"), kv_norm=False),
         "fused_translate_norm_rope_store": norm_rope_variant(True, True, False),

@@ -126,8 +126,8 @@ LOADER = textwrap.dedent("""
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                    reason="vLLM is not installed (not in the README's test command; see "
-                           "dsv4/plugins/vllm.py for how it was run)")
+                    reason="vLLM is not installed (not in the README test command; see "
+                           "requirements/vllm-runtime.txt to run it)")
 @pytest.mark.parametrize("env, patched", [({}, True), ({"VLLM_PLUGINS": "other"}, False),
                                           ({"DSV4_VLLM_PLUGIN": "0"}, False)])
 def test_vllm_loader_installs_the_plugin(env, patched):

@@ -145,7 +145,7 @@ def test_hip_runs_only_what_it_covers(flag_env, monkeypatch):
     gpu = torch.device("cuda")
     cache = kv_cache(2, 4)
     assert resolve("fused_k_norm_rope_store", gpu, _hip_ok(L.DEFAULT_NUMERICS, cache)) == "hip"
-    for ok in (_hip_ok(HOST, cache), _hip_ok(L.DEFAULT_NUMERICS, cache, weight=None),
+    for ok in (_hip_ok(HOST, cache), _hip_ok(L.DEFAULT_NUMERICS, cache, has_weight=False),
                _hip_ok(L.DEFAULT_NUMERICS, strided_cache(2, 4, gap=576)[0])):
         assert not ok
         assert resolve("fused_k_norm_rope_store", gpu, ok) == "triton"
