@@ -134,8 +134,11 @@ class ModelConfig:
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
-        with open(path) as f:
-            return cls.from_dict(json.load(f))
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
+        return cls.from_dict(raw)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -3,8 +3,8 @@
 ``Engine(model, max_total_tokens=... | kv_bytes=...)`` owns the KV pool and allocator
 (``mem_pool``, sized from a token count or a byte budget) and the request -> token table.
 ``generate`` admits the prompts that fit (request slots and pages), prefills them in one extend
-step, then decodes all running requests together, one token per step (greedy, or the
-``forced_tokens`` given). A request stops at max_new_tokens or ``eos_token_id``; its pages are
+step, then decodes all running requests together, one token per step (greedy, sampled as
+``sampling`` says, or the ``forced_tokens`` given). A request stops at max_new_tokens or ``eos_token_id``; its pages are
 freed at once and it leaves the batch. When a decode step finds the pool exhausted, the latest
 admitted request is retracted to the host (``retraction.py``) and resumed when pages free up.
 SWA pages that leave the window are released after every step. Decode steps replay captured
@@ -29,6 +29,7 @@ from .forward_batch import ForwardBatch, ForwardMode, ReqToTokenPool
 from .graph_decode import decode_inputs, make_decode_graph_runner
 from .request import Request
 from .retraction import retract, try_resume
+from .sampling import GREEDY, SamplingParams, sample
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,8 @@ class GenerateOutput:
 @dataclass
 class EngineStats:
     decode_step_s: list[float] = field(default_factory=list)  # wall time of each decode step
+    decode_tokens: int = 0               # tokens appended by decode steps
+    first_token_s: float | None = None   # from generate() to the end of its first prefill
     graph_steps: int = 0                 # decode steps that replayed a graph
     eager_swa_translations: int = 0      # SWA gathers run by eager decode steps
     eager_swa_hits: int = 0              # SWA location cache hits of eager decode steps
@@ -116,11 +119,17 @@ class Engine:
     def generate(self, prompt_token_ids: list[list[int]], max_new_tokens: int,
                  return_logits: bool = False,
                  forced_tokens: list[list[int]] | None = None,
-                 on_step: Callable[[], None] | None = None) -> GenerateOutput:
+                 on_step: Callable[[], None] | None = None,
+                 sampling: SamplingParams = GREEDY) -> GenerateOutput:
         """on_step: called after every decode step (progress reporting)."""
         self._check_request(prompt_token_ids, max_new_tokens, forced_tokens)
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a dsv4.SamplingParams, got {type(sampling).__name__}")
         reqs = [Request(i, list(p), max_new_tokens, forced_tokens[i] if forced_tokens else None)
                 for i, p in enumerate(prompt_token_ids)]
+        self._sampling = sampling
+        self._generator = None if sampling.greedy else torch.Generator().manual_seed(sampling.seed)
+        self._started = time.perf_counter()
         waiting, retracted, running = deque(reqs), deque(), []
         try:
             while waiting or retracted or running:
@@ -215,6 +224,8 @@ class Engine:
             seq_lens=lens.to(dev), extend_seq_lens=lens.to(dev))
         running.extend(reqs)
         self._finish_step(reqs, running, self.forward(batch), return_logits)
+        if self.stats.first_token_s is None:
+            self.stats.first_token_s = time.perf_counter() - self._started
 
     def _decode_step(self, running: list[Request], retracted: deque, return_logits) -> None:
         start = time.perf_counter()
@@ -230,6 +241,7 @@ class Engine:
                              req_pool_indices=torch.tensor([r.slot for r in running], device=dev),
                              seq_lens=lens)
         logits = self._decode_forward(batch)
+        self.stats.decode_tokens += len(running)
         self._finish_step(list(running), running, logits, return_logits)
         self.stats.decode_step_s.append(time.perf_counter() - start)
 
@@ -267,8 +279,8 @@ class Engine:
     def _finish_step(self, stepped: list[Request], running: list[Request], logits: torch.Tensor,
                      return_logits: bool) -> None:
         """Append each stepped request's token; release the finished, evict the rest's SWA."""
-        greedy = logits.argmax(-1).tolist()
-        for req, row, token in zip(stepped, logits, greedy):
+        chosen = sample(logits, self._sampling, self._generator)
+        for req, row, token in zip(stepped, logits, chosen):
             if return_logits:
                 req.logits.append(row.float().cpu())
             req.append(req.forced[len(req.out)] if req.forced else int(token), self.eos_token_id)

@@ -1,11 +1,32 @@
-"""Regenerate the README's flag table from the flag declarations (run after adding a flag)."""
+"""Regenerate the README's flag table from the flag declarations (run after adding a flag).
 
+tests/test_flags.py fails while the table is out of date, so a new flag cannot land without it.
+"""
+
+import argparse
 from pathlib import Path
 
 from dsv4 import flags_table as ft
 
-readme = Path(__file__).resolve().parents[1] / "README.md"
-text = readme.read_text()
-begin = text.index(ft.README_BEGIN) + len(ft.README_BEGIN)
-end = text.index(ft.README_END)
-readme.write_text(text[:begin] + "\n" + ft.readme_table() + "\n" + text[end:])
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--check", action="store_true",
+                   help="write nothing; exit 1 when the table is out of date")
+    args = p.parse_args(argv)
+    text = README.read_text()
+    begin = text.index(ft.README_BEGIN) + len(ft.README_BEGIN)
+    end = text.index(ft.README_END)
+    new = text[:begin] + "\n" + ft.readme_table() + "\n" + text[end:]
+    if args.check:
+        print("README flag table is " + ("up to date" if new == text else "out of date"))
+        return 0 if new == text else 1
+    README.write_text(new)
+    print(f"wrote the flag table into {README}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

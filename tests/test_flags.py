@@ -113,3 +113,14 @@ def test_cli_env_says_what_each_serving_plugin_would_replace():
     off = _run_cli("env", env_extra={"DSV4_SGLANG_PLUGIN": "0"})
     assert "plugin off (DSV4_SGLANG_PLUGIN=0)" in off.stdout or "sglang: not installed" in off.stdout
     assert any(line.strip().startswith("vllm") for line in plugins)
+
+
+def test_update_readme_flags_help_writes_nothing():
+    readme = ROOT / "README.md"
+    before = readme.read_bytes()
+    script = str(ROOT / "scripts" / "update_readme_flags.py")
+    out = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "usage" in out.stdout
+    check = subprocess.run([sys.executable, script, "--check"], capture_output=True, text=True)
+    assert check.returncode == 0 and "up to date" in check.stdout
+    assert readme.read_bytes() == before

@@ -84,7 +84,11 @@ def checkpoint_files(path: Path) -> list[Path]:
 def read_headers(files: list[Path]) -> dict[str, Stored]:
     stored: dict[str, Stored] = {}
     for file in files:
-        with safe_open(file, framework="pt") as f:
+        try:
+            opened = safe_open(file, framework="pt")
+        except Exception as e:  # safetensors raises its own error type for a bad header
+            raise ValueError(f"{file}: not a readable safetensors file ({e})") from e
+        with opened as f:
             for name in f.keys():
                 s = f.get_slice(name)
                 if name in stored:
@@ -175,12 +179,13 @@ def fp8_block_size(raw_config: dict) -> tuple[int, int]:
     return int(block[0]), int(block[1])
 
 
-def load_model(path, device="cpu", dtype: torch.dtype = torch.bfloat16):
+def load_model(path, device="cpu", dtype: torch.dtype = torch.bfloat16, on_tensor=None):
     """Build a DeepseekV4Model from ``path`` (config.json + safetensors) on ``device``.
 
     ``dtype`` is the model's compute dtype for its large weights; parameters the model keeps in
     float32 (norms, mHC, compressor, sinks, head) stay float32. Quantized weights are dequantized
     exactly (value times power-of-two scale) and rounded once to the parameter's dtype.
+    ``on_tensor``, if given, is called after each tensor is loaded (progress reporting).
     """
     from ..config import ModelConfig
     from ..model import DeepseekV4Model
@@ -204,6 +209,8 @@ def load_model(path, device="cpu", dtype: torch.dtype = torch.bfloat16):
         handles = {f: stack.enter_context(safe_open(f, framework="pt")) for f in files}
         for plan in plans:
             targets[plan.target].copy_(read_tensor(plan, handles, block))
+            if on_tensor is not None:
+                on_tensor()
     n_quant = sum(p.scale is not None for p in plans)
     logger.info("loaded %d tensors (%d dequantized) from %d file(s) in %s",
                 len(plans), n_quant, len(files), path)

@@ -1,0 +1,206 @@
+"""`python -m dsv4 generate`: prompts in, generated tokens and a speed report out.
+
+Prompts: `--prompt TEXT` (needs a checkpoint with tokenizer.json), `--prompt-ids 1,2,3`,
+`--prompt-file FILE` (one prompt per line: ids or text), or `--batch` random prompts of
+`--prompt-len` tokens (the default). Greedy unless `--temperature` > 0. The report separates the
+prefill (time to first token) from the decode (decode-only tokens/s, step latency).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+from .cli_errors import UsageError
+
+IDS_LINE = re.compile(r"^\s*\d+(\s*,\s*\d+)*\s*$")
+
+
+def parse_ids(text: str, what: str) -> list[int]:
+    if not IDS_LINE.match(text):
+        raise UsageError(f"{what} must be comma-separated token ids like 1,2,3, got {text!r}")
+    return [int(t) for t in text.split(",")]
+
+
+def load_tokenizer(model_path: str | None):
+    """The checkpoint's tokenizer.json as a `tokenizers.Tokenizer`, or None when there is none."""
+    if not model_path or not (Path(model_path) / "tokenizer.json").is_file():
+        return None
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise UsageError(f"{model_path}/tokenizer.json needs the `tokenizers` package: "
+                         "pip install tokenizers") from None
+    return Tokenizer.from_file(str(Path(model_path) / "tokenizer.json"))
+
+
+def _encode(tokenizer, text: str, what: str) -> list[int]:
+    if tokenizer is None:
+        raise UsageError(f"{what} is text and needs a tokenizer: give --model-path DIR with a "
+                         "tokenizer.json (the built-in presets have none), or token ids")
+    return tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def prompts_from_args(args, tokenizer, vocab_size: int) -> list[list[int]]:
+    if args.prompt is not None:
+        prompts = [_encode(tokenizer, args.prompt, "--prompt")]
+    elif args.prompt_ids is not None:
+        prompts = [parse_ids(args.prompt_ids, "--prompt-ids")]
+    elif args.prompt_file is not None:
+        path = Path(args.prompt_file)
+        if not path.is_file():
+            raise UsageError(f"--prompt-file {path}: no such file")
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+        if not lines:
+            raise UsageError(f"--prompt-file {path} holds no prompt")
+        prompts = [parse_ids(line, f"{path} line {i + 1}") if IDS_LINE.match(line)
+                   else _encode(tokenizer, line, f"{path} line {i + 1}")
+                   for i, line in enumerate(lines)]
+    else:
+        import torch
+
+        g = torch.Generator().manual_seed(args.seed)
+        return torch.randint(2, vocab_size, (args.batch, args.prompt_len), generator=g).tolist()
+    for p in prompts:
+        bad = [t for t in p if t >= vocab_size]
+        if not p or bad:
+            raise UsageError(f"a prompt must hold 1 or more ids below the vocabulary size "
+                             f"{vocab_size}, got {len(p)} ids, out of range: {bad[:5]}")
+    return prompts
+
+
+def _percentile(sorted_values: list[float], q: float) -> float:
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+
+
+def build_report(engine, wall_s: float, tokens: list[list[int]]) -> dict:
+    s, a = engine.stats, engine.allocator
+    steps = sorted(t * 1e3 for t in s.decode_step_s)
+    eager = s.eager_steps
+    decode_s = sum(s.decode_step_s)
+    return {
+        "device": str(engine.device),
+        "tokens": tokens,
+        "graph": s.graph_steps > 0,
+        "graph_backend": engine.graph_runner.backend.name if engine.graph_runner else None,
+        "ttft_ms": round(s.first_token_s * 1e3, 3),
+        "decode_steps": len(steps),
+        "decode_tokens_per_s": round(s.decode_tokens / decode_s, 3) if steps else None,
+        "step_latency_ms_p50": round(_percentile(steps, 0.5), 3) if steps else None,
+        "step_latency_ms_p90": round(_percentile(steps, 0.9), 3) if steps else None,
+        "tokens_per_s": round(sum(len(t) for t in tokens) / wall_s, 3),
+        # Replayed graphs gather inside the graph: the pool's counters only see eager steps.
+        "swa_translations_per_step": round(s.eager_swa_translations / eager, 3) if eager else None,
+        "swa_cache_hits_per_step": round(s.eager_swa_hits / eager, 3) if eager else None,
+        "pool_usage": {"full_tokens_peak": s.peak_full_tokens, "full_tokens": a.size_full,
+                       "swa_tokens_peak": s.peak_swa_tokens, "swa_tokens": a.size_swa,
+                       "peak_fraction": round(s.peak_full_tokens / a.size_full, 4)},
+        "retractions": s.retractions,
+    }
+
+
+def print_report(r: dict, n_prompts: int, tokenizer) -> None:
+    na = "n/a (graph replay: the gather runs inside the graph; counters move only at capture)"
+    graph = f"yes ({r['graph_backend']})" if r["graph"] else "no (eager)"
+    for i, ids in enumerate(r["tokens"]):
+        print(f"request {i}: {len(ids)} tokens: {' '.join(map(str, ids))}")
+        if tokenizer is not None:
+            print(f"  text: {tokenizer.decode(ids)!r}")
+    if tokenizer is None:
+        print("(no tokenizer: the built-in preset has none; --model-path DIR with a "
+              "tokenizer.json prints text)")
+    print(f"generated {sum(map(len, r['tokens']))} tokens for {n_prompts} prompts on "
+          f"{r['device']}; graphs: {graph}")
+    print(f"prefill: time to first token {r['ttft_ms']} ms")
+    if r["decode_steps"]:
+        print(f"decode: {r['decode_tokens_per_s']} tokens/s; step latency p50 "
+              f"{r['step_latency_ms_p50']} ms, p90 {r['step_latency_ms_p90']} ms over "
+              f"{r['decode_steps']} steps")
+    else:
+        print("decode: no decode step (every request ended at its first token)")
+    print(f"end to end: {r['tokens_per_s']} tokens/s (prefill included)")
+    for key, label in (("swa_translations_per_step", "SWA translations per decode step"),
+                       ("swa_cache_hits_per_step", "SWA location cache hits per decode step")):
+        print(f"{label}: {na if r[key] is None and r['graph'] else r[key]}")
+    pool = r["pool_usage"]
+    print(f"pool usage: peak {pool['full_tokens_peak']}/{pool['full_tokens']} full tokens "
+          f"({pool['peak_fraction']:.1%}), peak {pool['swa_tokens_peak']}/{pool['swa_tokens']} "
+          f"SWA tokens; retractions: {r['retractions']}")
+
+
+def _check_memory(config, batch: int, context_len: int, device, force: bool) -> None:
+    from .memory_estimate import GIB, available_bytes, estimate
+
+    need = estimate(config, batch, context_len)
+    have = available_bytes(device)
+    if need.total_bytes > have and not force:
+        raise UsageError(f"this run needs about {need.describe()} but {device} has "
+                         f"{have / GIB:.1f} GiB; use a smaller model or pass --force")
+
+
+def _config(args):
+    from .config import ModelConfig
+
+    if not args.model_path:
+        return ModelConfig.preset(args.preset)
+    path = Path(args.model_path)
+    if not (path / "config.json").is_file():
+        raise UsageError(f"--model-path {path}: no config.json there")
+    return ModelConfig.from_json(path / "config.json")
+
+
+def _model(args, config, context_len: int, device, on_tensor):
+    from . import DeepseekV4Model, init_random_weights, load_model
+
+    if args.model_path:
+        return load_model(args.model_path, device=device, on_tensor=on_tensor)
+    model = DeepseekV4Model(config, device=device, max_seq_len=context_len)
+    return init_random_weights(model, seed=args.seed)
+
+
+def run(args) -> int:
+    import torch
+    from tqdm import tqdm
+
+    from .engine import Engine, EngineStats
+    from .sampling import SamplingParams
+
+    def bar(desc, total=None):
+        return tqdm(total=total, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True,
+                    disable=True if args.quiet else None)
+
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    if args.threads or not torch.cuda.is_available():
+        torch.set_num_threads(args.threads or 1)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    config = _config(args)
+    tokenizer = load_tokenizer(args.model_path)
+    prompts = prompts_from_args(args, tokenizer, config.vocab_size)
+    context_len = max(map(len, prompts)) + args.max_new_tokens
+    if args.model_path or args.preset != "tiny":
+        _check_memory(config, len(prompts), context_len, device, args.force)
+    with bar("loading weights") as b:
+        model = _model(args, config, context_len, device, lambda: b.update())
+    if context_len > model.max_seq_len:
+        raise UsageError(f"a prompt of {max(map(len, prompts))} tokens plus --max-new-tokens "
+                         f"{args.max_new_tokens} needs {context_len} positions; this model "
+                         f"covers {model.max_seq_len}")
+    eos = None if args.ignore_eos else model.config.eos_token_id
+    engine = Engine(model, max_batch=len(prompts), max_context_len=context_len,
+                    eos_token_id=eos, graph=args.graph)
+    with bar("warm-up and graph capture", total=1) as b:
+        engine.generate(prompts, min(2, args.max_new_tokens), sampling=sampling)
+        b.update()
+    engine.stats = EngineStats()
+    with bar("decode", total=args.max_new_tokens - 1) as b:
+        start = time.perf_counter()
+        out = engine.generate(prompts, args.max_new_tokens, on_step=b.update, sampling=sampling)
+        wall = time.perf_counter() - start
+    report = build_report(engine, wall, out.tokens)
+    print_report(report, len(prompts), tokenizer)
+    if args.json:
+        print(json.dumps(report))
+    return 0
