@@ -6,7 +6,7 @@ alloc_decode does, so no translation survives from one step to the next):
   per_layer          (a) pool.translate_loc_from_full_to_swa in every layer
   start_layer        (b) recompute when layer_id == start layer, reuse otherwise: the rule peers
                          ship, implemented here only as a baseline (it goes stale when a forward
-                         does not start at that layer, see SPEC_DSV4.md section 4)
+                         does not start at that layer, see docs/decode_path.md section 4)
   identity_cache     (c) pool.get_cached_swa_loc(loc, layer_id): one gather per step
   fused_translate    (d) hip_kernels.fused_translate_norm_rope_store in every layer: the set-KV
                          kernel translates itself (the KV store is part of the step)

@@ -1,4 +1,4 @@
-"""A dense, straightforward restatement of DeepSeek-V4 (SPEC_DSV4.md section 2) for one request.
+"""A dense, plain restatement of DeepSeek-V4 (docs/decode_path.md, section 1) for one request.
 
 No pools, no kernels, no modules: plain tensors read from a state dict with the reference tensor
 names. The whole sequence 0..T-1 is computed layer by layer, and each position sees exactly what a

@@ -1,6 +1,6 @@
 """The mixture of experts: sqrt-softplus gate with a selection bias or token-id hash routing,
 SwiGLU experts with the clamp (gate = min(w1 x, limit), up = clamp(w3 x, -limit, limit)), and the
-shared expert, which takes the same clamp (SPEC_DSV4.md section 2, step 9)."""
+shared expert, which takes the same clamp (docs/decode_path.md section 1, step 6)."""
 
 from __future__ import annotations
 
