@@ -199,9 +199,10 @@ def scatter_bytes(flat: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor,
 
 def write_kv_bytes(cache: torch.Tensor, loc: torch.Tensor, page_size: int,
                    values: torch.Tensor, scale_bytes: torch.Tensor) -> None:
-    """Scatter packed rows into the cache at loc; rows with loc < 0 are skipped."""
-    keep = loc >= 0
-    safe = loc.clamp_min(0)
+    """Scatter packed rows into the cache at loc; rows with loc < 0 or past the cache's slots are
+    skipped (so nothing lands outside the cache even without the host's range checks)."""
+    keep = (loc >= 0) & (loc < cache.shape[0] * page_size)
+    safe = torch.where(keep, loc, torch.zeros_like(loc))
     flat, stride = cache_bytes(cache), cache.stride(0)
     scatter_bytes(flat, _byte_index(value_offset(safe, page_size, stride), VALUE_BYTES), values,
                   keep)
@@ -241,9 +242,10 @@ def quantize_indexer_rows(k: torch.Tensor, dialect: Fp8Dialect | None = None):
 
 def write_indexer_bytes(cache: torch.Tensor, loc: torch.Tensor, page_size: int,
                         q: torch.Tensor, scale: torch.Tensor) -> None:
-    """Scatter quantized indexer rows into the 132-byte layout; rows with loc < 0 are skipped."""
-    keep = loc >= 0
-    safe = loc.clamp_min(0).to(torch.int64)
+    """Scatter quantized indexer rows into the 132-byte layout; rows with loc < 0 or past the
+    cache's slots are skipped."""
+    keep = (loc >= 0) & (loc < cache.shape[0] * page_size)
+    safe = torch.where(keep, loc, torch.zeros_like(loc)).to(torch.int64)
     base = (safe // page_size) * indexer_page_bytes(page_size)
     t = safe % page_size
     flat = cache.view(-1)

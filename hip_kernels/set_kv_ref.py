@@ -111,10 +111,12 @@ def indexer_store(k, cache, out_loc, page_size, dialect: Fp8Dialect) -> None:
 
 
 def translate_full_to_swa(full_loc: torch.Tensor, full_to_swa: torch.Tensor) -> torch.Tensor:
-    """int32 SWA slots of full locations: full_to_swa[loc], -1 where loc < 0 (0 = unmapped)."""
+    """int32 SWA slots of full locations: full_to_swa[loc], -1 where loc < 0 or loc is past the
+    map (0 = unmapped)."""
     loc = full_loc.long()
-    swa = full_to_swa[loc.clamp_min(0)].to(torch.int32)
-    return torch.where(loc >= 0, swa, torch.full_like(swa, -1))
+    valid = (loc >= 0) & (loc < full_to_swa.shape[0])
+    swa = full_to_swa[torch.where(valid, loc, torch.zeros_like(loc))].to(torch.int32)
+    return torch.where(valid, swa, torch.full_like(swa, -1))
 
 
 def fused_translate_norm_rope_store(kv, weight, eps, freqs_cis, positions, full_loc, full_to_swa,

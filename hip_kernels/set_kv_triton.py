@@ -65,8 +65,8 @@ def _norm_rope_q_head(q_head, eps, freq_row, freq_stride_pair, ROUND_NORM: tl.co
 @triton.jit
 def norm_rope_store_kernel(kv_ptr, kv_stride, weight_ptr, eps, freq_ptr, freq_stride_pos,
                            freq_stride_pair, pos_ptr, pos_stride, loc_ptr, loc_stride,
-                           full_to_swa_ptr, map_stride, swa_out_ptr, swa_out_stride,
-                           cache_ptr, q_ptr, q_stride_row, q_stride_head,
+                           full_to_swa_ptr, map_stride, map_len, swa_out_ptr, swa_out_stride,
+                           cache_ptr, num_slots, q_ptr, q_stride_row, q_stride_head,
                            PAGE_SIZE: tl.constexpr, PAGE_BYTES: tl.constexpr,
                            FP8: tl.constexpr, FP8_MAX: tl.constexpr, TRANSLATE: tl.constexpr,
                            HAS_SWA_OUT: tl.constexpr, HAS_Q: tl.constexpr,
@@ -75,7 +75,8 @@ def norm_rope_store_kernel(kv_ptr, kv_stride, weight_ptr, eps, freq_ptr, freq_st
     """Grid (N, 1 + H): program (i, 0) normalizes (KV_NORM), rotates, quantizes and stores kv
     row i; program (i, h + 1) treats q[i, h] in place as Q_MODE says (Q_MODES index), whatever
     row i's location. With TRANSLATE, loc_ptr holds full-pool locations mapped through
-    full_to_swa (negative or unmapped 0 = skip)."""
+    full_to_swa (negative, past the map's map_len entries, or unmapped 0 = skip). Slots at or
+    past num_slots write nothing (masked here, whatever the host checked)."""
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     pos = tl.load(pos_ptr + row * pos_stride).to(tl.int64)
@@ -83,12 +84,13 @@ def norm_rope_store_kernel(kv_ptr, kv_stride, weight_ptr, eps, freq_ptr, freq_st
     if head == 0:
         loc = tl.load(loc_ptr + row * loc_stride).to(tl.int64)
         if TRANSLATE:
-            loc = tl.load(full_to_swa_ptr + loc * map_stride, mask=loc >= 0, other=-1).to(tl.int32)
+            in_map = (loc >= 0) & (loc < map_len)
+            loc = tl.load(full_to_swa_ptr + loc * map_stride, mask=in_map, other=-1).to(tl.int32)
             if HAS_SWA_OUT:
                 tl.store(swa_out_ptr + row * swa_out_stride, loc)
-            keep = loc > 0
+            keep = (loc > 0) & (loc < num_slots)
         else:
-            keep = loc >= 0
+            keep = (loc >= 0) & (loc < num_slots)
         _norm_rope_kv_row(kv_ptr + row * kv_stride, weight_ptr, eps, freq_row, freq_stride_pair,
                           cache_ptr, loc, keep, PAGE_SIZE, PAGE_BYTES, FP8, FP8_MAX,
                           TILE_AMAX_FLOOR, ROUND_BF16, KV_NORM)
@@ -109,13 +111,15 @@ def _launch_norm_rope(kv, weight, eps, freqs_cis, positions, loc, full_to_swa, s
     translate, has_swa_out = full_to_swa is not None, swa_loc_out is not None
     freqs = torch.view_as_real(freqs_cis)
     heads = 0 if q is None else q.shape[1]
+    map_len = 0 if full_to_swa is None else full_to_swa.shape[0]
     full_to_swa = loc if full_to_swa is None else full_to_swa      # placeholders when absent
     swa_loc_out = loc if swa_loc_out is None else swa_loc_out
     norm_rope_store_kernel[(n, 1 + heads)](
         kv, kv.stride(0), kv if weight is None else weight, float(eps), freqs, freqs.stride(0),
         freqs.stride(1), positions,
-        positions.stride(0), loc, loc.stride(0), full_to_swa, full_to_swa.stride(0), swa_loc_out,
-        swa_loc_out.stride(0), cache, kv if q is None else q, 0 if q is None else q.stride(0),
+        positions.stride(0), loc, loc.stride(0), full_to_swa, full_to_swa.stride(0), map_len,
+        swa_loc_out, swa_loc_out.stride(0), cache, cache.shape[0] * page_size,
+        kv if q is None else q, 0 if q is None else q.stride(0),
         0 if q is None else q.stride(1),
         PAGE_SIZE=page_size, PAGE_BYTES=cache.stride(0), FP8=fp8_type(dialect),
         FP8_MAX=numerics.fp8_max_for(dialect), TRANSLATE=translate,
@@ -137,7 +141,7 @@ def fused_translate_norm_rope_store(kv, weight, eps, freqs_cis, positions, full_
 
 
 @triton.jit
-def store_cache_kernel(rows_ptr, row_stride, loc_ptr, loc_stride, cache_ptr,
+def store_cache_kernel(rows_ptr, row_stride, loc_ptr, loc_stride, cache_ptr, num_slots,
                        PAGE_SIZE: tl.constexpr,
                        PAGE_BYTES: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
                        TILE_AMAX_FLOOR: tl.constexpr):
@@ -147,23 +151,23 @@ def store_cache_kernel(rows_ptr, row_stride, loc_ptr, loc_stride, cache_ptr,
     row_ptr = rows_ptr + row * row_stride
     nope_bytes, scale_bytes = quantize_tiles(load_nope(row_ptr).to(tl.float32), FP8, FP8_MAX,
                                              TILE_AMAX_FLOOR)
-    store_kv_row(cache_ptr, loc, loc >= 0, nope_bytes, load_rope(row_ptr + NOPE_DIM), scale_bytes,
-                 PAGE_SIZE, PAGE_BYTES)
+    store_kv_row(cache_ptr, loc, (loc >= 0) & (loc < num_slots), nope_bytes,
+                 load_rope(row_ptr + NOPE_DIM), scale_bytes, PAGE_SIZE, PAGE_BYTES)
 
 
 def fused_store_cache(rows, cache, out_loc, page_size, dialect, numerics=DEFAULT_NUMERICS):
     if rows.shape[0] == 0:
         return
     store_cache_kernel[(rows.shape[0],)](
-        rows, rows.stride(0), out_loc, out_loc.stride(0), cache, PAGE_SIZE=page_size,
-        PAGE_BYTES=cache.stride(0), FP8=fp8_type(dialect),
+        rows, rows.stride(0), out_loc, out_loc.stride(0), cache, cache.shape[0] * page_size,
+        PAGE_SIZE=page_size, PAGE_BYTES=cache.stride(0), FP8=fp8_type(dialect),
         FP8_MAX=numerics.fp8_max_for(dialect), TILE_AMAX_FLOOR=numerics.amax_floor,
         **LAUNCH_OPTIONS)
 
 
 @triton.jit
 def store_pack_kernel(nope_ptr, nope_stride, rope_ptr, rope_stride, scales_ptr, scales_stride,
-                      loc_ptr, loc_stride, cache_ptr, PAGE_SIZE: tl.constexpr,
+                      loc_ptr, loc_stride, cache_ptr, num_slots, PAGE_SIZE: tl.constexpr,
                       PAGE_BYTES: tl.constexpr):
     """Copy one pre-quantized row (fp8 bytes, bf16 rope, 7 ue8m0 bytes) per program."""
     row = tl.program_id(0).to(tl.int64)
@@ -172,7 +176,8 @@ def store_pack_kernel(nope_ptr, nope_stride, rope_ptr, rope_stride, scales_ptr, 
     rope = load_rope(rope_ptr + row * rope_stride)
     tile = tl.arange(0, SCALE_BYTES)
     scales = tl.load(scales_ptr + row * scales_stride + tile, mask=tile < N_TILES, other=0)
-    store_kv_row(cache_ptr, loc, loc >= 0, nope, rope, scales, PAGE_SIZE, PAGE_BYTES)
+    store_kv_row(cache_ptr, loc, (loc >= 0) & (loc < num_slots), nope, rope, scales, PAGE_SIZE,
+                 PAGE_BYTES)
 
 
 def store_kv_pack(nope_fp8, rope_bf16, scales, cache, out_loc, page_size) -> None:
@@ -180,13 +185,13 @@ def store_kv_pack(nope_fp8, rope_bf16, scales, cache, out_loc, page_size) -> Non
         return
     store_pack_kernel[(nope_fp8.shape[0],)](
         nope_fp8.view(torch.uint8), nope_fp8.stride(0), rope_bf16, rope_bf16.stride(0), scales,
-        scales.stride(0), out_loc, out_loc.stride(0), cache, PAGE_SIZE=page_size,
-        PAGE_BYTES=cache.stride(0), **LAUNCH_OPTIONS)
+        scales.stride(0), out_loc, out_loc.stride(0), cache, cache.shape[0] * page_size,
+        PAGE_SIZE=page_size, PAGE_BYTES=cache.stride(0), **LAUNCH_OPTIONS)
 
 
 @triton.jit
-def indexer_store_kernel(k_ptr, k_stride, loc_ptr, loc_stride, cache_ptr, PAGE_SIZE: tl.constexpr,
-                         FP8: tl.constexpr, FP8_MAX: tl.constexpr):
+def indexer_store_kernel(k_ptr, k_stride, loc_ptr, loc_stride, cache_ptr, num_slots,
+                         PAGE_SIZE: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr):
     """One indexer key [128] per program: fp32 scale max(amax, 1e-4) / FP8_MAX, values k / scale
     cast to fp8, in the 132-byte layout."""
     row = tl.program_id(0).to(tl.int64)
@@ -197,7 +202,7 @@ def indexer_store_kernel(k_ptr, k_stride, loc_ptr, loc_stride, cache_ptr, PAGE_S
     x = tl.div_rn(k, scale)
     q = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX).to(FP8).to(tl.uint8, bitcast=True)
     value_off, scale_off = indexer_offsets(loc, PAGE_SIZE)
-    keep = loc >= 0
+    keep = (loc >= 0) & (loc < num_slots)
     tl.store(cache_ptr + value_off + dims, q, mask=keep)
     tl.store((cache_ptr + scale_off).to(tl.pointer_type(tl.float32)), scale, mask=keep)
 
@@ -206,6 +211,5 @@ def indexer_store(k, cache, out_loc, page_size, dialect) -> None:
     if k.shape[0] == 0:
         return
     indexer_store_kernel[(k.shape[0],)](
-        k, k.stride(0), out_loc, out_loc.stride(0), cache, PAGE_SIZE=page_size,
-        FP8=fp8_type(dialect),
-        FP8_MAX=dialect.max, **LAUNCH_OPTIONS)
+        k, k.stride(0), out_loc, out_loc.stride(0), cache, cache.shape[0] * page_size,
+        PAGE_SIZE=page_size, FP8=fp8_type(dialect), FP8_MAX=dialect.max, **LAUNCH_OPTIONS)

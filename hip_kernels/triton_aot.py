@@ -34,10 +34,11 @@ def _variants(dialect):
     fp8 = {"FP8": fp8_type(dialect), "FP8_MAX": dialect.max}
     swa_page = {"PAGE_SIZE": 256, "PAGE_BYTES": L.page_bytes(256)}
     c4_page = {"PAGE_SIZE": 64, "PAGE_BYTES": L.page_bytes(64)}
-    loc = {"loc_ptr": "*i64", "cache_ptr": "*u8"}
+    loc = {"loc_ptr": "*i64", "cache_ptr": "*u8", "num_slots": "i64"}
     norm_rope = {"kv_ptr": "*bf16", "kv_stride": "i32:D", "weight_ptr": "*bf16", "eps": "fp32",
                  "freq_ptr": "*fp32", "freq_stride_pos": "i32:D", "freq_stride_pair": "i32",
-                 "pos_ptr": "*i64", "full_to_swa_ptr": "*i32", "swa_out_ptr": "*i32",
+                 "pos_ptr": "*i64", "full_to_swa_ptr": "*i32", "map_len": "i64",
+                 "swa_out_ptr": "*i32",
                  "q_ptr": "*bf16", "q_stride_row": "i32:D", "q_stride_head": "i32:D", **loc}
     unit = {"pos_stride": 1, "loc_stride": 1, "map_stride": 1, "swa_out_stride": 1}
 

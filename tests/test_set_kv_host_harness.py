@@ -59,6 +59,21 @@ def run_host(host_ops, op: str, args: dict, dialect, lanes: int) -> dict:
     return outputs(a)
 
 
+def run_host_in_place(host_ops, op: str, a: dict) -> dict:
+    """run_host on `a` itself (fnuz, 64 lanes), so a write past a view's end stays visible."""
+    freqs = torch.view_as_real(a["freqs_cis"]) if "freqs_cis" in a else None
+    if op == "fused_store_cache":
+        host_ops.store_cache(a["rows"], a["cache"], a["out_loc"], a["page_size"], True, 64)
+    elif op == "fused_k_norm_rope_store":
+        host_ops.k_norm_rope_store(a["kv"], a["weight"], a["eps"], freqs, a["positions"],
+                                   a["out_loc"], a["cache"], a["page_size"], a.get("q"), True, 64)
+    else:
+        host_ops.translate_norm_rope_store(a["kv"], a["weight"], a["eps"], freqs, a["positions"],
+                                           a["full_loc"], a["full_to_swa"], a["cache"],
+                                           a["page_size"], a.get("swa_loc_out"), True, 64)
+    return outputs(a)
+
+
 def assert_same(got: dict, want: dict):
     assert got.keys() == want.keys()
     for k in want:
@@ -146,3 +161,28 @@ def test_argument_checks(host_ops):
         call(q=args["q"].float())
     with pytest.raises(RuntimeError, match="freqs must be view_as_real"):
         call(freqs=freqs.transpose(0, 1))
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_slots_past_the_cache_are_masked_in_the_kernel(host_ops, flag_env, op):
+    """With the host's range checks off (DSV4_KERNEL_VALUE_CHECKS=0, or inside graph capture), a
+    slot past the cache, or a full location past the map, writes nothing: the HIP kernel's logic
+    and the torch reference mask it alike, and in-range rows still land."""
+    flag_env(DSV4_KERNEL_VALUE_CHECKS="0")
+    args = make_case(op, 3, 6, 4, 2, 0, torch.int64, torch.bfloat16)
+    # the cache is the first 2 of 3 pages: an unmasked write to slot 8 would land in the third
+    base = torch.full((3, L.page_bytes(4)), 0x5A, dtype=torch.uint8)
+    args["cache"] = base[:2]   # 2 pages of 4 slots
+    if op == "fused_translate_norm_rope_store":
+        args["full_to_swa"][args["full_loc"][0]] = 8          # maps to the slot past the cache
+        args["full_loc"][1] = len(args["full_to_swa"]) + 5    # past the map
+    else:
+        args["out_loc"][0], args["out_loc"][1] = 8, 1 << 40
+    want = reference(op, args, FNUZ)
+    a = dict(clone_args(args), cache=base[:2])  # run on the view itself, not a copy
+    fnuz_args = run_host_in_place(host_ops, op, a)
+    assert (base[2] == 0x5A).all(), "the kernel wrote past the cache"
+    assert_same(fnuz_args, want)
+    assert not (want["cache"] == 0x5A).all(), "the in-range rows were not written"
+    if op == "fused_translate_norm_rope_store":
+        assert want["swa_loc_out"][:2].tolist() == [8, -1]

@@ -236,3 +236,32 @@ def test_triton_backend_on_cpu_needs_the_interpreter(flag_env):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=120)
     assert "BackendUnavailable" in out.stdout and "TRITON_INTERPRET=1" in out.stdout, out
+
+
+@pytest.mark.parametrize("op", ["fused_k_norm_rope_store", "fused_store_cache",
+                                "fused_translate_norm_rope_store"])
+def test_slots_past_the_cache_are_masked_in_the_kernel(flag_env, op):
+    """DSV4_KERNEL_VALUE_CHECKS=0: nothing checks the slots on the host, and a slot past the
+    cache (or a full location past the map) still writes nothing, in Triton as in torch."""
+    from set_kv_cases import make_case
+
+    flag_env(DSV4_KERNEL_VALUE_CHECKS="0")
+    args = make_case(op, 3, 6, 4, 2, 0, torch.int64, torch.bfloat16)
+    # the cache is the first 2 of 3 pages: an unmasked write to slot 8 would land in the third
+    base = torch.full((3, L.page_bytes(4)), 0x5A, dtype=torch.uint8)
+    args["cache"] = base[:2]
+    if op == "fused_translate_norm_rope_store":
+        args["full_to_swa"][args["full_loc"][0]] = 8
+        args["full_loc"][1] = len(args["full_to_swa"]) + 5
+    else:
+        args["out_loc"][0], args["out_loc"][1] = 8, 1 << 40
+    results = {}
+    for backend in ("torch", "triton"):
+        flag_env(DSV4_KERNEL_BACKEND=backend, DSV4_FP8_DIALECT="fnuz")
+        base[:] = 0x5A
+        a = dict(clone_args(args), cache=base[:2])
+        getattr(hip_kernels, op)(**a)
+        assert (base[2] == 0x5A).all(), f"{backend} wrote past the cache"
+        results[backend] = dict(a, cache=base[:2].clone())
+    assert_same(results, *[k for k in ("cache", "swa_loc_out") if k in args])
+    assert not (results["torch"]["cache"] == 0x5A).all(), "the in-range rows were not written"

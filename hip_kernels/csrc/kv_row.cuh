@@ -33,15 +33,18 @@ struct RowJob {
 DSV4_HD int64_t items_of(const SetKvParams& p) { return p.num_rows * (1 + p.num_heads); }
 
 // The cache slot of a row: out_loc, or full_to_swa[full_loc] (op 6). Negative: skip the row.
-// With translation, 0 is the unmapped dummy slot and is skipped too.
+// With translation, 0 is the unmapped dummy slot and is skipped too; a full location outside the
+// map translates to -1.
 DSV4_HD int64_t translated_slot(const SetKvParams& p, int64_t row) {
   const int64_t loc = read_index(p.loc, row);
   if (p.full_to_swa.data == nullptr) return loc;
-  return loc < 0 ? -1 : read_index(p.full_to_swa, loc);
+  return loc < 0 || loc >= p.full_to_swa_len ? -1 : read_index(p.full_to_swa, loc);
 }
 
+// Slots past the cache are masked here too, so nothing is written outside it when the host's
+// range checks are off (DSV4_KERNEL_VALUE_CHECKS=0, or inside graph capture).
 DSV4_HD bool writes_cache(const SetKvParams& p, int64_t slot) {
-  return p.full_to_swa.data == nullptr ? slot >= 0 : slot > 0;
+  return (p.full_to_swa.data == nullptr ? slot >= 0 : slot > 0) && slot < p.num_slots;
 }
 
 // The slot of an item's KV row (-1 for a q head); lane 0 records it for the attention metadata.

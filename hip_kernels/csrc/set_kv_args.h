@@ -56,6 +56,7 @@ inline void set_cache(SetKvParams& p, const at::Tensor& cache, int64_t page_size
   p.cache = static_cast<uint8_t*>(cache.data_ptr());
   p.page_size = page_size;
   p.page_bytes = page_bytes(page_size);
+  p.num_slots = cache.size(0) * page_size;
 }
 
 // Source rows, weight, eps, freqs = view_as_real(freqs_cis) [max_pos, 32, 2] fp32, positions.
@@ -130,6 +131,7 @@ inline SetKvParams translate_norm_rope_store_params(
   set_norm_rope(p, kv, weight, eps, freqs, positions);
   p.loc = index_array(full_loc, "full_loc", kv, p.num_rows);
   p.full_to_swa = index_array(full_to_swa, "full_to_swa", kv, -1);
+  p.full_to_swa_len = full_to_swa.size(0);
   set_cache(p, cache, page_size, kv);
   if (swa_loc_out.has_value()) {
     const at::Tensor& t = *swa_loc_out;

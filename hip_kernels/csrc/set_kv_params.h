@@ -39,11 +39,14 @@ struct SetKvParams {
   // Destination slots: out_loc (ops 2, 3) or full_loc translated through full_to_swa (op 6).
   IndexArray loc;
   IndexArray full_to_swa;         // data == nullptr: no translation
+  int64_t full_to_swa_len = 0;    // full locations at or past it translate to -1 (skip)
   int32_t* swa_loc_out = nullptr;  // op 6: receives the translated slots
   int64_t swa_loc_out_stride = 1;
   uint8_t* cache = nullptr;
   int64_t page_size = 1;
   int64_t page_bytes = 0;
+  int64_t num_slots = 0;          // pages * page_size: slots at or past it write nothing (the
+                                  // kernel masks them even when the host range checks are off)
   // Optional q [N, H, 512] bf16, normalized (no weight) and rotated in place (op 2).
   uint16_t* q = nullptr;
   int64_t q_row_stride = 0;
