@@ -10,7 +10,7 @@ from .host_copy import KVHostCopy
 from .kv_cache_spec import CacheFootprint, KVCacheSpec, footprint
 from .paged_allocator import PagedAllocator
 from .swa_allocator import SWATokenToKVPoolAllocator
-from .swa_loc_cache import SwaLocCache, SwaLocStats
+from .swa_loc_cache import StaleSwaLocError, SwaLocCache, SwaLocStats
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
@@ -19,6 +19,6 @@ __all__ = [
     "PagedAllocator", "SWATokenToKVPoolAllocator",
     "KVCacheSpec", "CacheFootprint", "footprint",
     "DeepSeekV4TokenToKVPool", "create_dsv4_kv_cache",
-    "SwaLocCache", "SwaLocStats", "KVHostCopy",
+    "SwaLocCache", "SwaLocStats", "StaleSwaLocError", "KVHostCopy",
     "swa_tail_len", "prealloc_kv_lens", "PreallocLens", "PreallocBudget",
 ]

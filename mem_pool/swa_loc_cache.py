@@ -16,8 +16,15 @@ reused only when nothing that could change the answer has changed:
 Entries hold a reference to the keyed tensor, so its memory cannot be recycled for the next
 batch while cached, and the result's version is checked so a caller that modified the returned
 tensor gets a fresh one. Tensors without a version counter (created under torch.inference_mode)
-are translated on every call: freshness cannot be proven for them. Writes that bypass torch's
-version counters (a custom kernel writing the mapping) must call `invalidate()`.
+are translated on every call: freshness cannot be proven for them.
+
+What it sees and what it cannot: every in-place torch op on the location tensor or the mapping
+(`copy_`, `fill_`, indexing assignment, `index_put_`, out= ops) bumps the tensor's version counter
+and so misses. Writes that bypass the counter are invisible: through `tensor.data`, through a
+numpy view (`tensor.numpy()`), through another framework's view of the memory (DLPack), or by a
+custom kernel writing the memory. After such a write call `invalidate()` (the pool's
+`invalidate_loc_cache()`). `DSV4_SWA_CACHE_VERIFY=1` recomputes every hit and raises
+`StaleSwaLocError` on a stale one (a host sync per hit; never inside graph capture).
 """
 
 from __future__ import annotations
@@ -34,6 +41,10 @@ from hip_kernels.capture import is_capturing
 from . import envs
 
 logger = logging.getLogger(__name__)
+
+
+class StaleSwaLocError(RuntimeError):
+    """A cached translation no longer matches the mapping (DSV4_SWA_CACHE_VERIFY=1)."""
 
 
 @dataclass
@@ -96,6 +107,8 @@ class SwaLocCache:
         if entry is not None and entry.swa_loc._version == entry.swa_loc_version:
             self._entries.move_to_end(key)
             self.stats.hits += 1
+            if envs.SWA_CACHE_VERIFY.get() and not is_capturing():
+                _verify(loc, mapping, entry.swa_loc)
             return entry.swa_loc
         self.stats.misses += 1
         with torch.inference_mode(False):  # the result needs a version counter
@@ -118,3 +131,14 @@ class SwaLocCache:
                            "torch.inference_mode has no version counter; it is translated on "
                            "every call. Create out_cache_loc outside inference_mode (or under "
                            "torch.no_grad) to cache its translation.")
+
+
+def _verify(loc: torch.Tensor, mapping: torch.Tensor, cached: torch.Tensor) -> None:
+    fresh = mapping[loc.long()].to(cached.dtype)
+    if not torch.equal(fresh, cached):
+        bad = (fresh != cached).nonzero().flatten()[:4].tolist()
+        raise StaleSwaLocError(
+            f"SWA location cache: a cached translation is stale at positions {bad} (cached "
+            f"{cached[bad].tolist()}, now {fresh[bad].tolist()}): the location tensor or the "
+            "mapping was written without bumping its version counter (through .data, a numpy "
+            "view or a custom kernel); call invalidate_loc_cache() after such writes")

@@ -17,7 +17,7 @@ LAYERS = 6
 
 @pytest.fixture
 def pa(flag_env):
-    flag_env()   # defaults: the cache is on
+    flag_env(DSV4_SWA_CACHE_VERIFY="1")   # the cache on (default), every hit re-checked
     return small_pool(ratios=(0,) * LAYERS, full_tokens=32 * P, swa_tokens=32 * P, page_size=P)
 
 
@@ -333,3 +333,26 @@ def test_a_captured_graph_records_the_gather_even_after_a_warm_up(flag_env, kind
     if kind == "cuda":
         torch.cuda.synchronize()
     assert torch.equal(out, expected_swa(al, nxt).expand(4, 8))
+
+
+def test_writes_that_bypass_the_version_counter_are_caught_by_verify(pa, flag_env):
+    """Writes through .data or a numpy view leave the version counter alone: without
+    DSV4_SWA_CACHE_VERIFY the cache serves the old translation; with it, the hit raises."""
+    from mem_pool import StaleSwaLocError
+
+    pool, al = pa
+    for write in (lambda t: t.data.copy_(t.data.flip(0)),
+                  lambda t: t.numpy().__setitem__(slice(None), t.numpy()[::-1].copy())):
+        loc = al.alloc(8)
+        assert loc is not None
+        before = pool.get_cached_swa_loc(loc, 0).clone()
+        write(loc)
+        with pytest.raises(StaleSwaLocError, match="stale at positions"):
+            pool.get_cached_swa_loc(loc, 1)
+        flag_env(DSV4_SWA_CACHE_VERIFY="0")
+        assert torch.equal(pool.get_cached_swa_loc(loc, 2), before)   # served stale
+        pool.invalidate_loc_cache()
+        assert torch.equal(pool.get_cached_swa_loc(loc, 3),
+                           pool.translate_loc_from_full_to_swa(loc))
+        flag_env(DSV4_SWA_CACHE_VERIFY="1")
+        al.free(loc)
