@@ -20,6 +20,14 @@ def ceil_div(a, b):
     return -(-a // b)
 
 
+def check_need_size(need_size, page_size: int) -> None:
+    """need_size must be a positive int multiple of page_size (nothing is taken otherwise)."""
+    if isinstance(need_size, bool) or not isinstance(need_size, int) or need_size < 1:
+        raise ValueError(f"need_size must be a positive int, got {need_size!r}")
+    if need_size % page_size:
+        raise ValueError(f"need_size={need_size} must be a multiple of page_size={page_size}")
+
+
 def to_device_versioned(locs: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A fresh copy on `device` that is a normal tensor even under inference_mode: the SWA
     location cache keys on its version counter."""
@@ -128,6 +136,8 @@ class PagedAllocator:
 
     def alloc_pages(self, k: int) -> torch.Tensor | None:
         """k free pages (host int64), or None (nothing taken) when fewer are free."""
+        if k < 0:
+            raise ValueError(f"a page count must be >= 0, got {k}")
         if k > self._free_pages.numel():
             return None
         pages, self._free_pages = self._free_pages[:k], self._free_pages[k:]
@@ -166,10 +176,8 @@ class PagedAllocator:
         return (pages[:, None] * self.page_size + torch.arange(self.page_size)).flatten()
 
     def alloc(self, need_size: int) -> torch.Tensor | None:
-        """need_size (a multiple of page_size) locations on fresh pages, or None."""
-        if need_size % self.page_size:
-            raise ValueError(f"need_size={need_size} must be a multiple of "
-                             f"page_size={self.page_size}")
+        """need_size (a positive multiple of page_size) locations on fresh pages, or None."""
+        check_need_size(need_size, self.page_size)
         pages = self.alloc_pages(need_size // self.page_size)
         if pages is None:
             return None

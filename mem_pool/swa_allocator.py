@@ -15,7 +15,7 @@ import logging
 import torch
 
 from .loc_checks import host_int64, whole_pages
-from .paged_allocator import (PagedAllocator, ceil_div, plan_decode, plan_extend,
+from .paged_allocator import (PagedAllocator, ceil_div, check_need_size, plan_decode, plan_extend,
                               to_device_versioned)
 
 logger = logging.getLogger(__name__)
@@ -110,9 +110,7 @@ class SWATokenToKVPoolAllocator:
     # ---- allocation -----------------------------------------------------------------------
 
     def alloc(self, need_size: int) -> torch.Tensor | None:
-        if need_size % self.page_size:
-            raise ValueError(f"need_size={need_size} must be a multiple of "
-                             f"page_size={self.page_size}")
+        check_need_size(need_size, self.page_size)
         k = need_size // self.page_size
         taken = self._take_pages(k, k)
         if taken is None:

@@ -227,3 +227,15 @@ def test_allocator_page_size_must_match_the_pool():
     pool, _ = small_pool(full_tokens=16 * P, page_size=P)
     with pytest.raises(ValueError, match="page_size=4"):
         SWATokenToKVPoolAllocator(16 * P, 8 * P, 2 * P, pool, "cpu")
+
+
+@pytest.mark.parametrize("need", [-128, -4, 0, 2.0 * 4, True])
+def test_non_positive_or_non_int_sizes_are_refused_and_nothing_is_taken(need):
+    paged = PagedAllocator(32, 4)
+    _, swa = small_pool(full_tokens=32, swa_tokens=32, page_size=4)
+    for allocator, free in ((paged, paged.available_size),
+                            (swa, lambda: (swa.full_available_size(), swa.swa_available_size()))):
+        before = free()
+        with pytest.raises(ValueError, match="need_size must be a positive int"):
+            allocator.alloc(need)
+        assert free() == before
