@@ -124,7 +124,8 @@ def print_report(r: dict, n_prompts: int, tokenizer) -> None:
     print(f"end to end: {r['tokens_per_s']} tokens/s (prefill included)")
     for key, label in (("swa_translations_per_step", "SWA translations per decode step"),
                        ("swa_cache_hits_per_step", "SWA location cache hits per decode step")):
-        print(f"{label}: {na if r[key] is None and r['graph'] else r[key]}")
+        value = r[key] if r[key] is not None else na if r["graph"] else "n/a (no decode step)"
+        print(f"{label}: {value}")
     pool = r["pool_usage"]
     print(f"pool usage: peak {pool['full_tokens_peak']}/{pool['full_tokens']} full tokens "
           f"({pool['peak_fraction']:.1%}), peak {pool['swa_tokens_peak']}/{pool['swa_tokens']} "
