@@ -75,3 +75,16 @@ def check_locations(name: str, loc, n: int, capacity: int, device) -> None:
         if hi >= capacity:
             raise IndexError(f"{name} holds location {hi} but the cache has {capacity} slots "
                              f"(valid: -1 to skip, or 0..{capacity - 1})")
+        check_distinct_slots(name, loc)
+
+
+def check_distinct_slots(name: str, slots) -> None:
+    """Two rows writing one slot would leave backend-dependent bytes (GPU programs race), so a
+    slot >= 1 may appear once; slot 0, the dummy that padded rows share, may repeat (a host sync:
+    called only with value checks on)."""
+    live = slots[slots > 0]
+    values, counts = torch.unique(live, return_counts=True)
+    if (counts > 1).any():
+        slot = int(values[counts > 1][0])
+        raise ValueError(f"{name} holds slot {slot} {int(counts.max())} times: each slot >= 1 "
+                         "may be written by one row only (0, the dummy, may repeat)")

@@ -33,3 +33,24 @@ def test_checks_off_skips_the_range_read_but_not_shape_checks(flag_env, monkeypa
     assert reads == []
     with pytest.raises(ValueError, match="out_loc must have shape"):
         hk.fused_store_cache(kv, cache, torch.tensor([0, 1, 2]), P)
+
+
+def test_a_slot_written_twice_is_refused_before_any_write(flag_env):
+    """Duplicate slots >= 1 in one call would leave backend-dependent bytes; the dummy slot 0
+    (shared by padded rows) may repeat."""
+    flag_env(DSV4_KERNEL_BACKEND="torch")
+    kv = torch.randn(4, 512).bfloat16()
+    cache = torch.zeros(2, hk.page_bytes(P), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="out_loc holds slot 3 2 times"):
+        hk.fused_store_cache(kv, cache, torch.tensor([3, 1, 3, -1]), P)
+    assert not cache.any()
+    hk.fused_store_cache(kv, cache, torch.tensor([0, 2, 0, -1]), P)   # 0 may repeat
+    assert cache.any()
+    full_to_swa = torch.tensor([0, 2, 2, 3, -1])      # two full locations share SWA slot 2
+    cache.zero_()
+    with pytest.raises(ValueError, match=r"full_loc \(through full_to_swa\) holds slot 2 2 times"):
+        hk.fused_translate_norm_rope_store(kv, torch.ones(512), 1e-6,
+                                           torch.ones(8, 32, dtype=torch.complex64),
+                                           torch.zeros(4, dtype=torch.int64),
+                                           torch.tensor([1, 2, 3, -1]), full_to_swa, cache, P)
+    assert not cache.any()
