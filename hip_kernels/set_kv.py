@@ -1,7 +1,9 @@
 """Public set-KV ops: check arguments, resolve the backend, run.
 
 All writers skip rows whose location is negative and take the fp8 dialect from the platform
-(`DSV4_FP8_DIALECT` overrides). Every check happens before any cache byte is written.
+(`DSV4_FP8_DIALECT` overrides). Every check happens before any cache byte is written; with
+value checks on, a slot >= 1 given twice in one call is refused (off: which row lands is
+undefined; the dummy slot 0 may always repeat).
 `numerics` (a `kv_layout.StoreNumerics`) makes a store write what another writer of the same
 layout writes; the default is this project's numerics.
 """
