@@ -145,8 +145,15 @@ class Engine:
         return GenerateOutput([r.out for r in reqs], logits)
 
     def _check_request(self, prompts, max_new_tokens, forced_tokens) -> None:
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("prompt_token_ids must hold at least one non-empty prompt")
+        if isinstance(prompts, (str, bytes)) or not prompts or any(
+                isinstance(p, (str, bytes)) or len(p) == 0 for p in prompts):
+            raise ValueError("prompt_token_ids must hold at least one non-empty list of token ids")
+        vocab = self.model.config.vocab_size
+        for i, prompt in enumerate(prompts):
+            for t in prompt:
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                    raise ValueError(f"prompt_token_ids[{i}] holds {t!r}: token ids are ints in "
+                                     f"0..{vocab - 1}")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if forced_tokens is not None and (len(forced_tokens) != len(prompts) or any(

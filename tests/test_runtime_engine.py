@@ -86,3 +86,15 @@ def test_the_pool_is_sized_from_a_byte_budget(model):
         Engine(model, max_batch=2, page_size=PAGE, kv_bytes=1000, graph=False)
     with pytest.raises(ValueError, match="not both"):
         Engine(model, max_batch=2, kv_bytes=budget, max_total_tokens=PAGE, graph=False)
+
+
+@pytest.mark.parametrize("prompts, bad", [
+    ([[5, 6.0, 7]], "6.0"), ([[5, -1]], "-1"), ([[5, TINY.vocab_size]], str(TINY.vocab_size)),
+    ([[5, True]], "True"), ("hello", None), ([[]], None), ([], None)])
+def test_bad_token_ids_are_refused_before_anything_is_taken(model, prompts, bad):
+    engine = Engine(model, max_batch=2, max_context_len=MAX_LEN, page_size=PAGE, graph=False)
+    last = TINY.vocab_size - 1
+    with pytest.raises(ValueError, match="token ids" if bad is None else
+                       rf"prompt_token_ids\[0\] holds {bad}: token ids are ints in 0\.\.{last}"):
+        engine.generate(prompts, 2)
+    assert all_free(engine)
