@@ -19,3 +19,6 @@ SGLANG_PLUGIN = bool_flag(
 VLLM_PLUGIN = bool_flag(
     "DSV4_VLLM_PLUGIN", True,
     "let vLLM's plugin loader install this backend's DeepSeek-V4 KV insert (0 = vLLM's own)", PKG)
+CHECK_WEIGHTS = bool_flag(
+    "DSV4_CHECK_WEIGHTS", True,
+    "scan loaded weights for NaN/inf and tid2eid for experts out of range (0 skips the scan)", PKG)

@@ -264,3 +264,34 @@ def test_lazy_exports_keep_import_cheap():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert dsv4.save_random_checkpoint is save_random_checkpoint
+
+
+@pytest.mark.parametrize("case", ["nan weight", "inf weight", "tid2eid out of range"])
+def test_bad_values_are_refused_at_load_naming_tensor_and_file(cfg, tmp_path, flag_env, case):
+    flag_env()
+    save_random_checkpoint(cfg, tmp_path, seed=2, shards=1)
+    tensors = stored_tensors(tmp_path)
+    if case == "tid2eid out of range":
+        name = next(n for n in tensors if n.endswith("tid2eid"))
+        tensors[name].view(-1)[3] = cfg.n_routed_experts
+        want = f"expert id {cfg.n_routed_experts} is outside 0..{cfg.n_routed_experts - 1}"
+    else:
+        name = next(n for n in tensors if n.endswith("attn_norm.weight"))
+        tensors[name].view(-1)[5] = float("nan") if case == "nan weight" else float("inf")
+        want = "1 NaN/inf values (first at index 5)"
+    rewrite(tmp_path, tensors)
+    with pytest.raises(ValueError) as e:
+        load_model(tmp_path)
+    assert name in str(e.value) and ".safetensors" in str(e.value) and want in str(e.value)
+    if case != "tid2eid out of range":
+        flag_env(DSV4_CHECK_WEIGHTS="0")   # the scan can be skipped
+        model = load_model(tmp_path)
+        assert not torch.isfinite(
+            dict(model.named_parameters())[to_reference(name)[0]].view(-1)[5]).item()
+
+
+def test_a_corrupt_config_names_its_file(cfg, tmp_path):
+    save_random_checkpoint(cfg, tmp_path, seed=2, shards=1)
+    (tmp_path / "config.json").write_text('{"dim": ')
+    with pytest.raises(ValueError, match="config.json: not valid JSON"):
+        load_model(tmp_path)

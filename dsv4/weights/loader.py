@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from .. import envs
 from . import quant
 from .names import is_mtp, to_reference
 
@@ -173,6 +174,24 @@ def read_tensor(plan: Plan, handles: dict[Path, object], block: tuple[int, int])
     return quant.dequant_fp4(value, scale)
 
 
+def check_values(plan: Plan, value: torch.Tensor, config) -> None:
+    """Refuse NaN/inf in a float tensor and tid2eid entries outside 0..n_routed_experts-1,
+    naming the tensor and its file (DSV4_CHECK_WEIGHTS=0 skips this scan)."""
+    where = f"{plan.value.name} in {plan.value.file}"
+    if value.is_floating_point():
+        bad = ~torch.isfinite(value)
+        if bad.any():
+            raise ValueError(f"{where}: {int(bad.sum())} NaN/inf values (first at index "
+                             f"{bad.flatten().nonzero()[0].item()}); DSV4_CHECK_WEIGHTS=0 "
+                             "loads it anyway")
+    elif plan.target.endswith("tid2eid"):
+        n = config.n_routed_experts
+        out = (value < 0) | (value >= n)
+        if out.any():
+            raise ValueError(f"{where}: expert id {int(value[out].flatten()[0])} is outside "
+                             f"0..{n - 1} (n_routed_experts={n})")
+
+
 def fp8_block_size(raw_config: dict) -> tuple[int, int]:
     qc = raw_config.get("quantization_config") or {}
     block = qc.get("weight_block_size", quant.DEFAULT_FP8_BLOCK)
@@ -191,7 +210,10 @@ def load_model(path, device="cpu", dtype: torch.dtype = torch.bfloat16, on_tenso
     from ..model import DeepseekV4Model
 
     path = Path(path)
-    raw_config = json.loads((path / "config.json").read_text())
+    try:
+        raw_config = json.loads((path / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path / 'config.json'}: not valid JSON ({e})") from None
     config = ModelConfig.from_dict(raw_config)
     block = fp8_block_size(raw_config)
     files = checkpoint_files(path)
@@ -207,8 +229,12 @@ def load_model(path, device="cpu", dtype: torch.dtype = torch.bfloat16, on_tenso
 
     with contextlib.ExitStack() as stack, torch.no_grad():
         handles = {f: stack.enter_context(safe_open(f, framework="pt")) for f in files}
+        check = envs.CHECK_WEIGHTS.get()
         for plan in plans:
-            targets[plan.target].copy_(read_tensor(plan, handles, block))
+            value = read_tensor(plan, handles, block)
+            if check:
+                check_values(plan, value, config)
+            targets[plan.target].copy_(value)
             if on_tensor is not None:
                 on_tensor()
     n_quant = sum(p.scale is not None for p in plans)
