@@ -76,7 +76,8 @@ def _percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
 
 
-def build_report(engine, wall_s: float, tokens: list[list[int]]) -> dict:
+def build_report(engine, wall_s: float, tokens: list[list[int]],
+                 errors: list[str | None]) -> dict:
     s, a = engine.stats, engine.allocator
     steps = sorted(t * 1e3 for t in s.decode_step_s)
     eager = s.eager_steps
@@ -84,6 +85,7 @@ def build_report(engine, wall_s: float, tokens: list[list[int]]) -> dict:
     return {
         "device": str(engine.device),
         "tokens": tokens,
+        "errors": errors,
         "graph": s.graph_steps > 0,
         "graph_backend": engine.graph_runner.backend.name if engine.graph_runner else None,
         "ttft_ms": round(s.first_token_s * 1e3, 3),
@@ -105,8 +107,10 @@ def build_report(engine, wall_s: float, tokens: list[list[int]]) -> dict:
 def print_report(r: dict, n_prompts: int, tokenizer) -> None:
     na = "n/a (graph replay: the gather runs inside the graph; counters move only at capture)"
     graph = f"yes ({r['graph_backend']})" if r["graph"] else "no (eager)"
-    for i, ids in enumerate(r["tokens"]):
+    for i, (ids, error) in enumerate(zip(r["tokens"], r["errors"])):
         print(f"request {i}: {len(ids)} tokens: {' '.join(map(str, ids))}")
+        if error:
+            print(f"  failed: {error}")
         if tokenizer is not None:
             print(f"  text: {tokenizer.decode(ids)!r}")
     if tokenizer is None:
@@ -200,7 +204,7 @@ def run(args) -> int:
         start = time.perf_counter()
         out = engine.generate(prompts, args.max_new_tokens, on_step=b.update, sampling=sampling)
         wall = time.perf_counter() - start
-    report = build_report(engine, wall, out.tokens)
+    report = build_report(engine, wall, out.tokens, out.errors)
     print_report(report, len(prompts), tokenizer)
     if args.json:
         print(json.dumps(report))

@@ -38,7 +38,8 @@ logger = logging.getLogger(__name__)
 class GenerateOutput:
     tokens: list[list[int]]              # the tokens appended to each request (sampled or forced)
     logits: torch.Tensor | None = None   # fp32 [batch, steps, vocab]; step 0 follows the prompt;
-                                         # NaN after a request's end token
+                                         # NaN after a request's end token (and for a failed one)
+    errors: list[str | None] = field(default_factory=list)  # why a request failed, else None
 
 
 @dataclass
@@ -121,16 +122,22 @@ class Engine:
                  forced_tokens: list[list[int]] | None = None,
                  on_step: Callable[[], None] | None = None,
                  sampling: SamplingParams = GREEDY) -> GenerateOutput:
-        """on_step: called after every decode step (progress reporting)."""
-        self._check_request(prompt_token_ids, max_new_tokens, forced_tokens)
+        """on_step: called after every decode step (progress reporting).
+
+        A request that is malformed (token ids that are not ints of the vocabulary), too long for
+        max_context_len, or too large for the whole pool fails on its own: its `errors` entry
+        says why, its tokens are empty or stop where it failed, and the other requests complete
+        as they would have without it. Mistakes of the call itself raise ValueError."""
+        self._check_call(prompt_token_ids, max_new_tokens, forced_tokens)
         if not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling must be a dsv4.SamplingParams, got {type(sampling).__name__}")
-        reqs = [Request(i, list(p), max_new_tokens, forced_tokens[i] if forced_tokens else None)
+        reqs = [Request(i, list(p), max_new_tokens, forced_tokens[i] if forced_tokens else None,
+                        error=self._request_error(i, p, max_new_tokens))
                 for i, p in enumerate(prompt_token_ids)]
         self._sampling = sampling
         self._generator = None if sampling.greedy else torch.Generator().manual_seed(sampling.seed)
         self._started = time.perf_counter()
-        waiting, retracted, running = deque(reqs), deque(), []
+        waiting, retracted, running = deque(r for r in reqs if r.error is None), deque(), []
         try:
             while waiting or retracted or running:
                 self._schedule(waiting, retracted, running, return_logits)
@@ -142,27 +149,35 @@ class Engine:
             for req in running:
                 self._release([req.slot], [req.seq_len])
         logits = _stack_logits([r.logits for r in reqs]) if return_logits else None
-        return GenerateOutput([r.out for r in reqs], logits)
+        return GenerateOutput([r.out for r in reqs], logits, [r.error for r in reqs])
 
-    def _check_request(self, prompts, max_new_tokens, forced_tokens) -> None:
-        if isinstance(prompts, (str, bytes)) or not prompts or any(
-                isinstance(p, (str, bytes)) or len(p) == 0 for p in prompts):
-            raise ValueError("prompt_token_ids must hold at least one non-empty list of token ids")
-        vocab = self.model.config.vocab_size
-        for i, prompt in enumerate(prompts):
-            for t in prompt:
-                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                    raise ValueError(f"prompt_token_ids[{i}] holds {t!r}: token ids are ints in "
-                                     f"0..{vocab - 1}")
+    def _check_call(self, prompts, max_new_tokens, forced_tokens) -> None:
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("prompt_token_ids must be a non-empty list of prompts (lists of ids)")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if forced_tokens is not None and (len(forced_tokens) != len(prompts) or any(
                 len(f) < max_new_tokens for f in forced_tokens)):
             raise ValueError("forced_tokens needs one list of >= max_new_tokens tokens per prompt")
-        longest = max(len(p) for p in prompts) + max_new_tokens - 1
+
+    def _request_error(self, i: int, prompt, max_new_tokens: int) -> str | None:
+        """Why prompt i cannot run at all (a per-request failure), or None."""
+        if isinstance(prompt, (str, bytes)) or not isinstance(prompt, (list, tuple)) or not prompt:
+            return f"prompt_token_ids[{i}] must be a non-empty list of token ids"
+        vocab = self.model.config.vocab_size
+        for t in prompt:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                return f"prompt_token_ids[{i}] holds {t!r}: token ids are ints in 0..{vocab - 1}"
+        longest = len(prompt) + max_new_tokens - 1
         if longest > self.max_context_len:
-            raise ValueError(f"prompt + max_new_tokens - 1 = {longest} tokens exceed "
-                             f"max_context_len={self.max_context_len}")
+            return (f"prompt_token_ids[{i}]: prompt + max_new_tokens - 1 = {longest} tokens "
+                    f"exceed max_context_len={self.max_context_len}")
+        if self._pages(len(prompt)) > min(self.allocator.size_full,
+                                          self.allocator.size_swa) // self.page_size:
+            return (f"prompt_token_ids[{i}]: a prompt of {len(prompt)} tokens needs "
+                    f"{self._pages(len(prompt))} pages of {self.page_size} tokens; the whole pool "
+                    f"has {min(self.allocator.size_full, self.allocator.size_swa) // self.page_size}")
+        return None
 
     # ---- admission --------------------------------------------------------------------------
 
@@ -193,11 +208,10 @@ class Engine:
         if admitted:
             self._prefill(admitted, running, return_logits)
         elif not running:
-            stuck = retracted[0] if retracted else waiting[0]
-            raise RuntimeError(f"KV pool exhausted: request {stuck.index} needs "
-                               f"{self._pages(max(stuck.seq_len, len(stuck.prompt)))} pages of "
-                               f"{self.page_size} tokens and the empty pool has "
-                               f"{self._free_pages()}")
+            stuck = retracted.popleft() if retracted else waiting.popleft()
+            stuck.fail(f"KV pool exhausted: request {stuck.index} needs "
+                       f"{self._pages(max(stuck.seq_len, len(stuck.prompt)))} pages of "
+                       f"{self.page_size} tokens and the empty pool has {self._free_pages()}")
 
     def _admit(self, n: int) -> list[int]:
         if n > self.req_to_token_pool.available():
@@ -237,6 +251,8 @@ class Engine:
     def _decode_step(self, running: list[Request], retracted: deque, return_logits) -> None:
         start = time.perf_counter()
         locs = self._alloc_decode(running, retracted)
+        if locs is None:  # the one running request could not grow: it failed on its own
+            return
         dev = self.device
         for req, loc in zip(running, locs):
             self.req_to_token_pool.write(req.slot, req.seq_len, loc.view(1))
@@ -252,8 +268,9 @@ class Engine:
         self._finish_step(list(running), running, logits, return_logits)
         self.stats.decode_step_s.append(time.perf_counter() - start)
 
-    def _alloc_decode(self, running: list[Request], retracted: deque) -> torch.Tensor:
-        """One location per running request; retracts the latest admitted until they fit."""
+    def _alloc_decode(self, running: list[Request], retracted: deque) -> torch.Tensor | None:
+        """One location per running request; retracts the latest admitted until they fit (None:
+        the last one alone did not fit and failed)."""
         while True:
             rows = torch.tensor([r.slot for r in running])
             lens = torch.tensor([r.seq_len + 1 for r in running])
@@ -263,8 +280,12 @@ class Engine:
                 self._note_usage()
                 return locs
             if len(running) == 1:
-                raise RuntimeError(f"KV pool exhausted: request {running[0].index} alone needs "
-                                   f"more than the pool's {self.allocator.size_full} tokens")
+                req = running.pop()
+                self._release([req.slot], [req.seq_len])
+                req.slot = None
+                req.fail(f"KV pool exhausted: request {req.index} alone needs more than the "
+                         f"pool's {self.allocator.size_full} tokens")
+                return None
             victim = running.pop()
             retract(self, victim)
             retracted.appendleft(victim)
@@ -314,11 +335,14 @@ class Engine:
             self.req_to_token_pool.free(slot)
 
 
-def _stack_logits(per_request: list[list[torch.Tensor]]) -> torch.Tensor:
-    """[batch, steps, vocab], NaN where a request stopped early."""
-    steps = max(len(rows) for rows in per_request)
-    vocab = per_request[0][0].shape[-1]
+def _stack_logits(per_request: list[list[torch.Tensor]]) -> torch.Tensor | None:
+    """[batch, steps, vocab], NaN where a request stopped early or failed (None if none ran)."""
+    ran = [rows for rows in per_request if rows]
+    if not ran:
+        return None
+    steps, vocab = max(len(rows) for rows in ran), ran[0][0].shape[-1]
     out = torch.full((len(per_request), steps, vocab), float("nan"))
     for i, rows in enumerate(per_request):
-        out[i, :len(rows)] = torch.stack(rows)
+        if rows:
+            out[i, :len(rows)] = torch.stack(rows)
     return out

@@ -19,6 +19,7 @@ class Request:
     logits: list[torch.Tensor] = field(default_factory=list)
     host_copy: object | None = None     # KVHostCopy while retracted
     finished: bool = False
+    error: str | None = None            # why the request failed on its own
 
     @property
     def next_input(self) -> int:
@@ -29,3 +30,7 @@ class Request:
         self.out.append(token)
         self.finished = (len(self.out) >= self.max_new_tokens
                          or (eos_token_id is not None and token == eos_token_id))
+
+    def fail(self, error: str) -> None:
+        """Stop the request with an error (the caller has released its KV)."""
+        self.error, self.finished = error, True

@@ -46,11 +46,14 @@ def test_retraction_and_resume_give_identical_tokens(model, graph):
     assert all_free(small)
 
 
-def test_a_pool_too_small_for_one_request_raises_and_frees(model):
+def test_a_request_too_large_for_the_pool_fails_alone_and_frees(model):
+    """The pool holds one page: the 100-token prompt fits, its 128th token does not. It fails
+    with its error and its tokens so far; a small request beside it completes as alone."""
     engine = Engine(model, max_batch=2, max_context_len=MAX_LEN, page_size=PAGE,
                     max_total_tokens=PAGE, graph=False)
-    with pytest.raises(RuntimeError, match="KV pool exhausted"):
-        engine.generate(prompts([100]), 40)
+    out = engine.generate(prompts([100]), 40)
+    assert out.errors[0].startswith("KV pool exhausted: request 0 alone needs more than")
+    assert len(out.tokens[0]) == PAGE - 100 + 1
     assert all_free(engine)
 
 
@@ -88,13 +91,33 @@ def test_the_pool_is_sized_from_a_byte_budget(model):
         Engine(model, max_batch=2, kv_bytes=budget, max_total_tokens=PAGE, graph=False)
 
 
-@pytest.mark.parametrize("prompts, bad", [
-    ([[5, 6.0, 7]], "6.0"), ([[5, -1]], "-1"), ([[5, TINY.vocab_size]], str(TINY.vocab_size)),
-    ([[5, True]], "True"), ("hello", None), ([[]], None), ([], None)])
-def test_bad_token_ids_are_refused_before_anything_is_taken(model, prompts, bad):
+@pytest.mark.parametrize("bad, error", [
+    ([5, 6.0, 7], "holds 6.0: token ids are ints in 0..{last}"),
+    ([5, -1], "holds -1: token ids are ints in 0..{last}"),
+    ([5, TINY.vocab_size], f"holds {TINY.vocab_size}: token ids are ints in 0..{{last}}"),
+    ([5, True], "holds True: token ids are ints in 0..{last}"),
+    ("hello", "must be a non-empty list of token ids"),
+    ([], "must be a non-empty list of token ids"),
+    ([7] * (MAX_LEN + 1), "exceed max_context_len=256"),
+])
+def test_a_bad_request_fails_alone_and_the_others_complete_as_alone(model, bad, error):
+    good = prompts([30, 45])
+    engine = Engine(model, max_batch=4, max_context_len=MAX_LEN, page_size=PAGE, graph=False)
+    alone = [engine.generate([p], 6).tokens[0] for p in good]
+    out = engine.generate([good[0], bad, good[1]], 6, return_logits=True)
+    assert out.errors[0] is None and out.errors[2] is None
+    assert out.errors[1].startswith("prompt_token_ids[1]")
+    assert error.format(last=TINY.vocab_size - 1) in out.errors[1]
+    assert out.tokens == [alone[0], [], alone[1]]
+    assert torch.isnan(out.logits[1]).all()
+    assert all_free(engine)
+
+
+def test_mistakes_of_the_call_itself_raise(model):
     engine = Engine(model, max_batch=2, max_context_len=MAX_LEN, page_size=PAGE, graph=False)
-    last = TINY.vocab_size - 1
-    with pytest.raises(ValueError, match="token ids" if bad is None else
-                       rf"prompt_token_ids\[0\] holds {bad}: token ids are ints in 0\.\.{last}"):
-        engine.generate(prompts, 2)
+    for prompts_arg in ("hello", [], None):
+        with pytest.raises(ValueError, match="prompt_token_ids must be a non-empty list"):
+            engine.generate(prompts_arg, 2)
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        engine.generate([[1, 2]], 0)
     assert all_free(engine)
