@@ -49,8 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="print every DSV4_* flag with its value and source")
     env.add_argument("--markdown", action="store_true", help="print the README table instead")
     env.set_defaults(func=_cmd_env)
-    gen = sub.add_parser("generate", parents=[common], help="generate tokens and report prefill and decode speed "
-                         "(default: tiny preset, seeded random weights and prompts)")
+    gen = sub.add_parser("generate", parents=[common],
+                         help="generate tokens and report prefill and decode speed (default: tiny "
+                         "preset, seeded random weights and prompts)")
     src = gen.add_argument_group("model")
     src.add_argument("--model-path", help="checkpoint directory: config.json, *.safetensors and, "
                      "for text, tokenizer.json (default: random weights)")

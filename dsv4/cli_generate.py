@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 from .cli_errors import UsageError
 
 IDS_LINE = re.compile(r"^\s*\d+(\s*,\s*\d+)*\s*$")
@@ -60,8 +62,6 @@ def prompts_from_args(args, tokenizer, vocab_size: int) -> list[list[int]]:
                    else _encode(tokenizer, line, f"{path} line {i + 1}")
                    for i, line in enumerate(lines)]
     else:
-        import torch
-
         g = torch.Generator().manual_seed(args.seed)
         return torch.randint(2, vocab_size, (args.batch, args.prompt_len), generator=g).tolist()
     for p in prompts:
@@ -167,7 +167,6 @@ def _model(args, config, context_len: int, device, on_tensor):
 
 
 def run(args) -> int:
-    import torch
     from tqdm import tqdm
 
     from .engine import Engine, EngineStats

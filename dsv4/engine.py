@@ -4,8 +4,8 @@
 (``mem_pool``, sized from a token count or a byte budget) and the request -> token table.
 ``generate`` admits the prompts that fit (request slots and pages), prefills them in one extend
 step, then decodes all running requests together, one token per step (greedy, sampled as
-``sampling`` says, or the ``forced_tokens`` given). A request stops at max_new_tokens or ``eos_token_id``; its pages are
-freed at once and it leaves the batch. When a decode step finds the pool exhausted, the latest
+``sampling`` says, or the ``forced_tokens`` given). A request stops at max_new_tokens or
+``eos_token_id``; its pages are freed at once and it leaves the batch. When a decode step finds the pool exhausted, the latest
 admitted request is retracted to the host (``retraction.py``) and resumed when pages free up.
 SWA pages that leave the window are released after every step. Decode steps replay captured
 graphs (``graph_decode.py``) when DSV4_GRAPH is on.
@@ -130,7 +130,8 @@ class Engine:
         as they would have without it. Mistakes of the call itself raise ValueError."""
         self._check_call(prompt_token_ids, max_new_tokens, forced_tokens)
         if not isinstance(sampling, SamplingParams):
-            raise TypeError(f"sampling must be a dsv4.SamplingParams, got {type(sampling).__name__}")
+            raise TypeError(f"sampling must be a dsv4.SamplingParams, got "
+                            f"{type(sampling).__name__}")
         reqs = [Request(i, list(p), max_new_tokens, forced_tokens[i] if forced_tokens else None,
                         error=self._request_error(i, p, max_new_tokens))
                 for i, p in enumerate(prompt_token_ids)]
@@ -152,7 +153,7 @@ class Engine:
         return GenerateOutput([r.out for r in reqs], logits, [r.error for r in reqs])
 
     def _check_call(self, prompts, max_new_tokens, forced_tokens) -> None:
-        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)) or not prompts:
+        if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError("prompt_token_ids must be a non-empty list of prompts (lists of ids)")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -162,7 +163,7 @@ class Engine:
 
     def _request_error(self, i: int, prompt, max_new_tokens: int) -> str | None:
         """Why prompt i cannot run at all (a per-request failure), or None."""
-        if isinstance(prompt, (str, bytes)) or not isinstance(prompt, (list, tuple)) or not prompt:
+        if not isinstance(prompt, (list, tuple)) or not prompt:
             return f"prompt_token_ids[{i}] must be a non-empty list of token ids"
         vocab = self.model.config.vocab_size
         for t in prompt:
@@ -172,11 +173,11 @@ class Engine:
         if longest > self.max_context_len:
             return (f"prompt_token_ids[{i}]: prompt + max_new_tokens - 1 = {longest} tokens "
                     f"exceed max_context_len={self.max_context_len}")
-        if self._pages(len(prompt)) > min(self.allocator.size_full,
-                                          self.allocator.size_swa) // self.page_size:
-            return (f"prompt_token_ids[{i}]: a prompt of {len(prompt)} tokens needs "
-                    f"{self._pages(len(prompt))} pages of {self.page_size} tokens; the whole pool "
-                    f"has {min(self.allocator.size_full, self.allocator.size_swa) // self.page_size}")
+        need = self._pages(len(prompt))
+        pool = min(self.allocator.size_full, self.allocator.size_swa) // self.page_size
+        if need > pool:
+            return (f"prompt_token_ids[{i}]: a prompt of {len(prompt)} tokens needs {need} pages "
+                    f"of {self.page_size} tokens; the whole pool has {pool}")
         return None
 
     # ---- admission --------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import torch
 
 from . import envs
 from .capture import is_capturing
+from .kv_layout import TOKEN_BYTES, page_bytes
 
 LOC_DTYPES = (torch.int32, torch.int64)
 
@@ -43,8 +44,6 @@ def check_cache(name: str, cache, row_bytes: int, page_size: int, device) -> Non
 def check_kv_cache(name: str, cache, page_size: int, device) -> None:
     """A V4-layout cache: contiguous [pages, page_bytes(page_size)], or [pages, page_size * 584]
     (the used bytes of each page) with unit inner stride and pages stride(0) bytes apart."""
-    from .kv_layout import TOKEN_BYTES, page_bytes
-
     check_tensor(name, cache, dtype=torch.uint8, dim=2, device=device)
     padded, used = page_bytes(page_size), page_size * TOKEN_BYTES
     if cache.is_contiguous() and cache.shape[1] == padded:
@@ -67,24 +66,29 @@ def value_checks_enabled() -> bool:
 
 
 def check_locations(name: str, loc, n: int, capacity: int, device) -> None:
-    """loc: [n] int32/int64 on device; values < capacity (negative = skip). The range check
-    needs a host sync: see value_checks_enabled()."""
+    """loc: [n] int32/int64 on device; values < capacity (negative = skip), no slot >= 1 twice.
+    The value checks need one host sync: see value_checks_enabled()."""
     check_tensor(name, loc, dtypes=LOC_DTYPES, shape=(n,), device=device)
     if n and value_checks_enabled():
-        hi = int(loc.max())
-        if hi >= capacity:
-            raise IndexError(f"{name} holds location {hi} but the cache has {capacity} slots "
-                             f"(valid: -1 to skip, or 0..{capacity - 1})")
-        check_distinct_slots(name, loc)
+        check_slot_values(name, loc, capacity)
 
 
-def check_distinct_slots(name: str, slots) -> None:
-    """Two rows writing one slot would leave backend-dependent bytes (GPU programs race), so a
-    slot >= 1 may appear once; slot 0, the dummy that padded rows share, may repeat (a host sync:
-    called only with value checks on)."""
-    live = slots[slots > 0]
-    values, counts = torch.unique(live, return_counts=True)
-    if (counts > 1).any():
-        slot = int(values[counts > 1][0])
-        raise ValueError(f"{name} holds slot {slot} {int(counts.max())} times: each slot >= 1 "
-                         "may be written by one row only (0, the dummy, may repeat)")
+def check_slot_values(name: str, slots, capacity: int,
+                      range_message: str | None = None) -> None:
+    """Slots below capacity, and each slot >= 1 at most once: two rows writing one slot would
+    leave backend-dependent bytes (GPU programs race); slot 0, the dummy that padded rows share,
+    may repeat. One host read for both checks. range_message may use {hi}, the largest slot."""
+    s = slots.sort().values
+    if s.numel() > 1:
+        twice = (s[1:] == s[:-1]) & (s[1:] > 0)
+        first_twice = torch.where(twice, s[1:], torch.full_like(s[1:], -1)).max()
+    else:
+        first_twice = torch.full_like(s[:1], -1)[0]
+    hi, dup = torch.stack([s[-1], first_twice]).tolist()
+    if hi >= capacity:
+        raise IndexError(range_message.format(hi=hi) if range_message else (
+            f"{name} holds location {hi} but the cache has {capacity} slots (valid: -1 to skip, "
+            f"or 0..{capacity - 1})"))
+    if dup > 0:
+        raise ValueError(f"{name} holds slot {dup} {int((slots == dup).sum())} times: each slot "
+                         ">= 1 may be written by one row only (0, the dummy, may repeat)")

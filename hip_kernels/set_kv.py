@@ -14,7 +14,7 @@ import torch
 
 from . import kv_layout as L
 from .backend import implementation, resolve
-from .checks import (check_cache, check_distinct_slots, check_kv_cache, check_locations,
+from .checks import (check_cache, check_kv_cache, check_locations, check_slot_values,
                      check_tensor, value_checks_enabled)
 from .kv_layout import DEFAULT_NUMERICS, StoreNumerics
 from .platform import fp8_dialect
@@ -139,12 +139,10 @@ def fused_translate_norm_rope_store(kv, weight, eps, freqs_cis, positions, full_
     if swa_loc_out is not None:
         check_tensor("swa_loc_out", swa_loc_out, dtype=torch.int32, shape=(n,), device=dev)
     if n and value_checks_enabled():
-        swa = translate_full_to_swa(full_loc, full_to_swa)
-        hi = int(swa.max())
-        if hi >= cache.shape[0] * page_size:
-            raise IndexError(f"full_to_swa maps a location of full_loc to SWA slot {hi} but the "
-                             f"cache has {cache.shape[0] * page_size} slots")
-        check_distinct_slots("full_loc (through full_to_swa)", swa)
+        capacity = cache.shape[0] * page_size
+        check_slot_values("full_loc (through full_to_swa)", translate_full_to_swa(
+            full_loc, full_to_swa), capacity, "full_to_swa maps a location of full_loc to SWA "
+            f"slot {{hi}} but the cache has {capacity} slots")
     impl = implementation(resolve("fused_translate_norm_rope_store", dev,
                                   _hip_ok(DEFAULT_NUMERICS, cache, weight is not None)))
     impl.fused_translate_norm_rope_store(kv, weight, eps, freqs_cis, positions, full_loc,

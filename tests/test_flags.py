@@ -111,7 +111,8 @@ def test_cli_env_says_what_each_serving_plugin_would_replace():
         assert sglang[0].startswith(f"sglang {installed_version('sglang')}: would replace "
                                     "DeepSeekV4TokenToKVPool.set_swa_key_buffer_radix_fused -> ")
     off = _run_cli("env", env_extra={"DSV4_SGLANG_PLUGIN": "0"})
-    assert "plugin off (DSV4_SGLANG_PLUGIN=0)" in off.stdout or "sglang: not installed" in off.stdout
+    assert ("plugin off (DSV4_SGLANG_PLUGIN=0)" in off.stdout
+            or "sglang: not installed" in off.stdout)
     assert any(line.strip().startswith("vllm") for line in plugins)
 
 

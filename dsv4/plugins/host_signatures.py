@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import importlib.util
+import os
 
 
 def installed_version(distribution: str) -> str | None:
@@ -29,8 +30,6 @@ def module_source_path(module: str) -> str | None:
         return None
     if spec is None or not spec.submodule_search_locations:
         return None
-    import os
-
     path = os.path.join(spec.submodule_search_locations[0], *parts[1:]) + ".py"
     return path if os.path.exists(path) else None
 

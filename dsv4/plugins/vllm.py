@@ -21,6 +21,7 @@ q heads go to vLLM's own code. On an NVIDIA GPU nothing is replaced (vLLM's CUDA
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 
 import torch
@@ -150,8 +151,6 @@ def _register() -> None:
     if problem:
         logger.warning("dsv4-rocm: vLLM %s not patched: %s", installed_version("vllm"), problem)
         return
-    import importlib
-
     cls = getattr(importlib.import_module(MODULE), CLASS)
     original = cls.__dict__[METHOD]
     if getattr(original, "__wrapped__", None) is not None:
