@@ -5,6 +5,9 @@ padded rows (location 0). Bookkeeping lives on the host (pass host tensors or li
 and last locations: device tensors cost a host sync); returned locations are int64 tensors on
 the allocator's device. A request's positions are page-aligned: position p sits at in-page
 offset p % page_size, so an extend continues the prefix's last page right after `last_loc`.
+The allocator records how far each page has been handed out, so `last_loc` must be the last
+location handed out on its page: two allocations continuing from the same `last_loc` (which
+would hand one slot out twice) are refused.
 """
 
 from __future__ import annotations
@@ -127,6 +130,8 @@ class PagedAllocator:
         self._free_pages = torch.arange(1, self.num_pages + 1, dtype=torch.int64)
         self._page_free = torch.ones(self.num_pages + 1, dtype=torch.bool)
         self._page_free[0] = False
+        # Locations handed out on each page: offsets 0.._page_fill[page]-1.
+        self._page_fill = torch.zeros(self.num_pages + 1, dtype=torch.int64)
 
     def available_pages(self) -> int:
         return self._free_pages.numel()
@@ -152,18 +157,43 @@ class PagedAllocator:
             raise ValueError(f"{name} refers to page {int(pages[free][0])}, which is not "
                              "allocated (already freed or never handed out)")
 
+    def check_continues(self, name: str, last_loc: torch.Tensor) -> None:
+        """Each location of last_loc is the last one handed out on its allocated page, and no
+        page is continued twice: otherwise the new locations would already be someone's."""
+        pages = last_loc // self.page_size
+        self.check_in_use(name, pages)
+        stale = self._page_fill[pages] != last_loc % self.page_size + 1
+        if stale.any():
+            i = int(torch.nonzero(stale)[0])
+            taken = int(self._page_fill[pages[i]])
+            raise ValueError(f"{name}[{i}]={int(last_loc[i])} is not the last location handed out "
+                             f"on page {int(pages[i])} (offsets 0..{taken - 1} are taken): its "
+                             "next location already belongs to an earlier allocation")
+        if torch.unique(pages).numel() != pages.numel():
+            raise ValueError(f"{name} continues one page from two rows; each would take the "
+                             "same next location")
+
+    def hand_out(self, locs: torch.Tensor) -> torch.Tensor:
+        """Record host locations as handed out (each page's fill) and return them on device."""
+        if locs.numel():
+            self._page_fill.scatter_reduce_(0, locs // self.page_size,
+                                            locs % self.page_size + 1, "amax")
+        return to_device_versioned(locs, self.device)
+
     def free_pages(self, pages: torch.Tensor, name: str = "pages") -> None:
         pages = torch.unique(pages)
         self.check_in_use(name, pages)
         self._page_free[pages] = True
+        self._page_fill[pages] = 0
         self._free_pages = torch.cat([self._free_pages, pages])
 
     def backup_state(self):
-        return self._free_pages.clone(), self._page_free.clone()
+        return self._free_pages.clone(), self._page_free.clone(), self._page_fill.clone()
 
     def restore_state(self, state) -> None:
-        free_pages, page_free = state
+        free_pages, page_free, page_fill = state
         self._free_pages, self._page_free = free_pages.clone(), page_free.clone()
+        self._page_fill = page_fill.clone()
 
     # ---- token locations ------------------------------------------------------------------
 
@@ -181,28 +211,27 @@ class PagedAllocator:
         pages = self.alloc_pages(need_size // self.page_size)
         if pages is None:
             return None
-        return to_device_versioned(self.page_locations(pages), self.device)
+        return self.hand_out(self.page_locations(pages))
 
     def alloc_extend(self, prefix_lens, seq_lens, last_loc, extend_num_tokens: int):
         """Locations of positions prefix_lens[i]..seq_lens[i]-1 of each request, or None."""
         plan = plan_extend(prefix_lens, seq_lens, last_loc, extend_num_tokens, self.page_size)
-        self.check_in_use("last_loc", plan.last_loc[plan.continued_rows(self.page_size)]
-                          // self.page_size)
+        self.check_continues("last_loc", plan.last_loc[plan.continued_rows(self.page_size)])
         pages = self.alloc_pages(plan.num_new_pages)
         if pages is None:
             return None
-        return to_device_versioned(plan.locations(pages, self.page_size), self.device)
+        return self.hand_out(plan.locations(pages, self.page_size))
 
     def alloc_decode(self, seq_lens, last_loc):
         """One location per request for position seq_lens[i]-1, or None."""
         new_page, last = plan_decode(seq_lens, last_loc, self.page_size)
-        self.check_in_use("last_loc", last[~new_page] // self.page_size)
+        self.check_continues("last_loc", last[~new_page])
         pages = self.alloc_pages(int(new_page.sum()))
         if pages is None:
             return None
         locs = last + 1
         locs[new_page] = pages * self.page_size
-        return to_device_versioned(locs, self.device)
+        return self.hand_out(locs)
 
     def free(self, free_index) -> None:
         """Free every page that holds a location of free_index."""

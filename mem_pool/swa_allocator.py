@@ -15,8 +15,7 @@ import logging
 import torch
 
 from .loc_checks import host_int64, whole_pages
-from .paged_allocator import (PagedAllocator, ceil_div, check_need_size, plan_decode, plan_extend,
-                              to_device_versioned)
+from .paged_allocator import PagedAllocator, ceil_div, check_need_size, plan_decode, plan_extend
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +100,7 @@ class SWATokenToKVPoolAllocator:
     def _check_continued(self, last_loc: torch.Tensor) -> None:
         """The pages an allocation continues are allocated and still have their SWA page."""
         pages = last_loc // self.page_size
-        self.full_attn_allocator.check_in_use("last_loc", pages)
+        self.full_attn_allocator.check_continues("last_loc", last_loc)
         evicted = self._swa_page_of_full[pages] == 0
         if evicted.any():
             raise ValueError(f"last_loc={int(last_loc[evicted][0])} is on a page whose SWA page "
@@ -117,8 +116,8 @@ class SWATokenToKVPoolAllocator:
             return None
         self._link(*taken)
         self._mapping_changed()
-        return to_device_versioned(self.full_attn_allocator.page_locations(taken[0]),
-                                   self.device)
+        return self.full_attn_allocator.hand_out(
+            self.full_attn_allocator.page_locations(taken[0]))
 
     def alloc_extend(self, prefix_lens, seq_lens, last_loc, extend_num_tokens: int):
         plan = plan_extend(prefix_lens, seq_lens, last_loc, extend_num_tokens, self.page_size)
@@ -128,7 +127,7 @@ class SWATokenToKVPoolAllocator:
             return None
         self._link(*taken)
         self._mapping_changed()
-        return to_device_versioned(plan.locations(taken[0], self.page_size), self.device)
+        return self.full_attn_allocator.hand_out(plan.locations(taken[0], self.page_size))
 
     def alloc_decode(self, seq_lens, last_loc):
         new_page, last = plan_decode(seq_lens, last_loc, self.page_size)
@@ -141,7 +140,7 @@ class SWATokenToKVPoolAllocator:
         self._mapping_changed()
         locs = last + 1
         locs[new_page] = taken[0] * self.page_size
-        return to_device_versioned(locs, self.device)
+        return self.full_attn_allocator.hand_out(locs)
 
     def alloc_extend_swa_tail(self, seq_len: int, swa_tail_len: int):
         """A new request of seq_len tokens with SWA slots only for its last swa_tail_len tokens
@@ -160,7 +159,7 @@ class SWATokenToKVPoolAllocator:
         self._link(full_pages[n_full - n_swa:], swa_pages)
         self._mapping_changed()
         locs = self.full_attn_allocator.page_locations(full_pages)[:seq_len]
-        return to_device_versioned(locs, self.device)
+        return self.full_attn_allocator.hand_out(locs)
 
     # ---- freeing --------------------------------------------------------------------------
 

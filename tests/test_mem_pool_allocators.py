@@ -239,3 +239,55 @@ def test_non_positive_or_non_int_sizes_are_refused_and_nothing_is_taken(need):
         with pytest.raises(ValueError, match="need_size must be a positive int"):
             allocator.alloc(need)
         assert free() == before
+
+
+def swa_and_paged():
+    """A plain paged allocator and a two-sided one, each with its free-count reading."""
+    paged = PagedAllocator(8 * P, P)
+    _, swa = small_pool(full_tokens=8 * P, swa_tokens=8 * P, page_size=P)
+    return [(paged, paged.available_size),
+            (swa, lambda: (swa.full_available_size(), swa.swa_available_size(),
+                           swa.full_to_swa_index_mapping.clone()))]
+
+
+def same_state(before, after):
+    return all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+               for a, b in zip(before if isinstance(before, tuple) else (before,),
+                               after if isinstance(after, tuple) else (after,)))
+
+
+@pytest.mark.parametrize("second", ["decode", "extend"])
+def test_two_allocations_from_one_last_loc_are_refused(second):
+    """A request forked by mistake (or a stale last_loc) would take a slot someone already
+    holds; the second allocation is refused and nothing changes."""
+    for a, state in swa_and_paged():
+        locs = a.alloc_extend([0], [2], [-1], 2)              # offsets 0, 1 of one page
+        first = a.alloc_decode([3], [int(locs[-1])])          # offset 2
+        assert int(first) == int(locs[-1]) + 1
+        before = state()
+        with pytest.raises(ValueError, match=r"last_loc\[0\]=.* is not the last location"):
+            if second == "decode":
+                a.alloc_decode([3], [int(locs[-1])])
+            else:
+                a.alloc_extend([2], [4], [int(locs[-1])], 2)
+        assert same_state(before, state())
+        assert a.alloc_decode([4], [int(first)]).tolist() == [int(first) + 1]   # the real tail
+
+
+def test_one_page_continued_by_two_rows_is_refused():
+    for a, state in swa_and_paged():
+        locs = a.alloc_extend([0], [1], [-1], 1)
+        before = state()
+        with pytest.raises(ValueError, match="continues one page from two rows"):
+            a.alloc_decode([2, 2], [int(locs[0])] * 2)
+        assert same_state(before, state())
+
+
+def test_a_freed_and_reallocated_page_is_continued_from_its_new_tail_only():
+    for a, _ in swa_and_paged():
+        old = a.alloc_extend([0], [3], [-1], 3)
+        a.free(old)
+        new = a.alloc_extend([0], [1], [-1], 1)               # may reuse the same page
+        with pytest.raises(ValueError, match="is not the last location|not allocated"):
+            a.alloc_decode([4], [int(old[-1])])
+        assert a.alloc_decode([2], [int(new[0])]).tolist() == [int(new[0]) + 1]
