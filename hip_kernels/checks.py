@@ -65,6 +65,19 @@ def value_checks_enabled() -> bool:
     return not is_capturing() and envs.VALUE_CHECKS.get()
 
 
+def check_finite(name: str, t: torch.Tensor) -> None:
+    """With DSV4_REFUSE_NONFINITE_KV=1, refuse a NaN or inf in t [N, ...] (one host read;
+    skipped inside graph capture, where such input is stored poisoned)."""
+    if t.numel() == 0 or is_capturing() or not envs.REFUSE_NONFINITE_KV.get():
+        return
+    bad_rows = ~torch.isfinite(t).reshape(t.shape[0], -1).all(dim=1)
+    first = torch.where(bad_rows, torch.arange(t.shape[0], device=t.device), t.shape[0]).min()
+    row = int(first)
+    if row < t.shape[0]:
+        raise ValueError(f"{name} row {row} holds a NaN or inf (DSV4_REFUSE_NONFINITE_KV=1 "
+                         "refuses non-finite K/V; with 0 it is stored as NaN bytes)")
+
+
 def check_locations(name: str, loc, n: int, capacity: int, device) -> None:
     """loc: [n] int32/int64 on device; values < capacity (negative = skip), no slot >= 1 twice.
     The value checks need one host sync: see value_checks_enabled()."""

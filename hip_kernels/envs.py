@@ -14,3 +14,7 @@ VALUE_CHECKS = bool_flag(
     "DSV4_KERNEL_VALUE_CHECKS", True,
     "check location/position ranges before each set-KV launch (a host sync per op in eager mode; "
     "always skipped inside graph capture)", PKG)
+REFUSE_NONFINITE_KV = bool_flag(
+    "DSV4_REFUSE_NONFINITE_KV", False,
+    "refuse K/V input holding NaN or inf before a byte is written (a host sync per op; skipped "
+    "inside graph capture); off: such tiles are stored poisoned, as NaN bytes", PKG)

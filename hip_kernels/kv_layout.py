@@ -14,6 +14,12 @@ readers take the page stride from `cache.stride(0)`, never from the formula.
 
 Indexer cache: 132 bytes per token, page = [P*128 fp8 values][P*4 fp32 scales].
 
+Non-finite input (NaN or +-inf) is stored poisoned, the same bytes in every backend, so that a
+reader sees NaN rather than a plausible number: a 64-wide nope tile holding one gets every value
+byte the dialect's NaN byte and scale byte 0xFF (ue8m0's NaN); a NaN RoPE value is stored as the
+bf16 NaN 0x7FC0 (infinities as they are); an indexer key holding one gets NaN value bytes and a
+NaN fp32 scale. `DSV4_REFUSE_NONFINITE_KV=1` makes the set-KV ops refuse such input instead.
+
 The functions here are the torch reference (the CPU path and every kernel's test oracle).
 """
 
@@ -35,6 +41,9 @@ SCALE_BYTES = 8                        # 7 ue8m0 + 1 pad
 TOKEN_BYTES = VALUE_BYTES + SCALE_BYTES  # 584
 AMAX_FLOOR = 1e-4
 UE8M0_BIAS = 127
+POISON_SCALE = 0xFF                    # the scale byte of a tile with a NaN or inf (ue8m0 NaN)
+BF16_NAN = 0x7FC0                      # the one NaN encoding stored for a bf16 value
+FP32_NAN = 0x7FC00000
 
 INDEX_DIM = 128
 INDEX_TOKEN_BYTES = INDEX_DIM + 4      # 132
@@ -146,7 +155,8 @@ def quantize_kv_rows(x: torch.Tensor, dialect: Fp8Dialect | None = None,
     The row is rounded to bf16 first (as the reference does; `numerics.round_to_bf16=False`
     quantizes the fp32 values). Each 64-wide tile of the nope part gets a power-of-two scale
     2^ceil(log2(max(amax, amax_floor) / FP8_MAX)); values are x / scale clamped to +-FP8_MAX and
-    cast (round to nearest even). Returns
+    cast (round to nearest even). A tile holding a NaN or inf is stored poisoned (see the module
+    docstring). Returns
     (nope [N, 448] fp8, rope [N, 64] bf16, scales [N, 7] uint8 ue8m0 = exponent + 127).
     """
     if x.dim() != 2 or x.shape[1] != HEAD_DIM:
@@ -155,12 +165,22 @@ def quantize_kv_rows(x: torch.Tensor, dialect: Fp8Dialect | None = None,
     fp8_max = numerics.fp8_max_for(d)
     xq = x.to(torch.bfloat16) if numerics.round_to_bf16 else x
     tiles = xq[:, :NOPE_DIM].float().view(-1, N_TILES, TILE)
+    poisoned = ~torch.isfinite(tiles).all(dim=-1)
     amax = tiles.abs().amax(dim=-1).clamp_min(numerics.amax_floor)
+    amax = torch.where(poisoned, torch.ones_like(amax), amax)
     exp = pow2_ceil_exponent(amax / fp8_max)
     inv_scale = torch.ldexp(torch.ones_like(amax), -exp)
     q = (tiles * inv_scale.unsqueeze(-1)).clamp(-fp8_max, fp8_max).to(d.torch_dtype)
-    scales = (exp + UE8M0_BIAS).to(torch.uint8)
-    return q.view(-1, NOPE_DIM), x[:, NOPE_DIM:].to(torch.bfloat16).contiguous(), scales
+    q = torch.where(poisoned.unsqueeze(-1), d.nan_byte, q.view(torch.uint8))
+    scales = torch.where(poisoned, POISON_SCALE, exp + UE8M0_BIAS).to(torch.uint8)
+    rope = canonical_nan_bf16(x[:, NOPE_DIM:].to(torch.bfloat16))
+    return q.view(-1, NOPE_DIM).view(d.torch_dtype), rope, scales
+
+
+def canonical_nan_bf16(x: torch.Tensor) -> torch.Tensor:
+    """bf16 x (contiguous copy) with every NaN as 0x7FC0, whatever its sign and payload."""
+    bits = x.contiguous().view(torch.int16)
+    return torch.where(x.isnan(), BF16_NAN, bits).view(torch.bfloat16)
 
 
 def dequantize_kv_rows(nope: torch.Tensor, rope: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -230,14 +250,19 @@ def read_kv_rows(cache: torch.Tensor, loc: torch.Tensor, page_size: int,
 
 
 def quantize_indexer_rows(k: torch.Tensor, dialect: Fp8Dialect | None = None):
-    """Indexer keys [N, 128] -> (fp8 [N, 128], fp32 scale [N]); scale = max(amax, 1e-4) / FP8_MAX."""
+    """Indexer keys [N, 128] -> (fp8 [N, 128], fp32 scale [N]); scale = max(amax, 1e-4) / FP8_MAX.
+    A key holding a NaN or inf is stored poisoned: NaN value bytes, NaN scale."""
     if k.dim() != 2 or k.shape[1] != INDEX_DIM:
         raise ValueError(f"k must be [N, {INDEX_DIM}], got {tuple(k.shape)}")
     d = dialect or fp8_dialect()
     kf = k.float()
+    poisoned = ~torch.isfinite(kf).all(dim=-1)
     scale = kf.abs().amax(dim=-1).clamp_min(AMAX_FLOOR) / d.max
-    q = (kf / scale.unsqueeze(-1)).clamp(-d.max, d.max).to(d.torch_dtype)
-    return q, scale
+    scale = torch.where(poisoned, torch.ones_like(scale), scale)
+    q = (kf / scale.unsqueeze(-1)).clamp(-d.max, d.max).to(d.torch_dtype).view(torch.uint8)
+    q = torch.where(poisoned.unsqueeze(-1), d.nan_byte, q).view(d.torch_dtype)
+    nan = torch.tensor(FP32_NAN, dtype=torch.int32, device=k.device).view(torch.float32)
+    return q, torch.where(poisoned, nan, scale)
 
 
 def write_indexer_bytes(cache: torch.Tensor, loc: torch.Tensor, page_size: int,

@@ -26,13 +26,14 @@ class Fp8Dialect:
     torch_dtype: torch.dtype
     max: float           # largest finite magnitude
     triton_name: str     # Triton's name of the type: float8e4b8 | float8e4nv
+    nan_byte: int        # the byte a NaN is stored as: 0x80 (fnuz, its only NaN) | 0x7F (OCP)
 
     def __str__(self) -> str:
         return self.name
 
 
-FNUZ = Fp8Dialect("fnuz", torch.float8_e4m3fnuz, 240.0, "float8e4b8")
-OCP = Fp8Dialect("ocp", torch.float8_e4m3fn, 448.0, "float8e4nv")
+FNUZ = Fp8Dialect("fnuz", torch.float8_e4m3fnuz, 240.0, "float8e4b8", 0x80)
+OCP = Fp8Dialect("ocp", torch.float8_e4m3fn, 448.0, "float8e4nv", 0x7F)
 DIALECTS = {"fnuz": FNUZ, "ocp": OCP}
 
 

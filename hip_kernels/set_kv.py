@@ -1,7 +1,8 @@
 """Public set-KV ops: check arguments, resolve the backend, run.
 
 All writers skip rows whose location is negative and take the fp8 dialect from the platform
-(`DSV4_FP8_DIALECT` overrides). Every check happens before any cache byte is written; with
+(`DSV4_FP8_DIALECT` overrides). K/V holding NaN or inf is stored poisoned, the same bytes in every
+backend (see `kv_layout`), or refused with `DSV4_REFUSE_NONFINITE_KV=1`. Every check happens before any cache byte is written; with
 value checks on, a slot >= 1 given twice in one call is refused (off: which row lands is
 undefined; the dummy slot 0 may always repeat).
 `numerics` (a `kv_layout.StoreNumerics`) makes a store write what another writer of the same
@@ -14,8 +15,8 @@ import torch
 
 from . import kv_layout as L
 from .backend import implementation, resolve
-from .checks import (check_cache, check_kv_cache, check_locations, check_slot_values,
-                     check_tensor, value_checks_enabled)
+from .checks import (check_cache, check_finite, check_kv_cache, check_locations,
+                     check_slot_values, check_tensor, value_checks_enabled)
 from .kv_layout import DEFAULT_NUMERICS, StoreNumerics
 from .platform import fp8_dialect
 from .set_kv_ref import translate_full_to_swa
@@ -35,6 +36,7 @@ def _check_norm_rope_args(kv, weight, freqs_cis, positions, cache, page_size):
                  device=dev)
     _check_positions(positions, freqs_cis.shape[0])
     check_kv_cache("cache", cache, page_size, dev)
+    check_finite("kv", kv)
 
 
 def _check_positions(positions, max_pos):
@@ -91,6 +93,7 @@ def fused_store_cache(rows, cache, out_loc, page_size,
     check_tensor("rows", rows, dtype=torch.bfloat16, shape=(None, L.HEAD_DIM), last_contiguous=True)
     check_kv_cache("cache", cache, page_size, rows.device)
     check_locations("out_loc", out_loc, rows.shape[0], cache.shape[0] * page_size, rows.device)
+    check_finite("rows", rows)
     impl = implementation(resolve("fused_store_cache", rows.device, _hip_ok(numerics, cache)))
     impl.fused_store_cache(rows, cache, out_loc, page_size, fp8_dialect(),
                            **_numerics_kwarg(numerics))
@@ -123,6 +126,7 @@ def indexer_store(k, cache, out_loc, page_size) -> None:
     check_tensor("k", k, dtypes=FLOATS, shape=(None, L.INDEX_DIM), last_contiguous=True)
     check_cache("cache", cache, L.indexer_page_bytes(page_size), page_size, k.device)
     check_locations("out_loc", out_loc, k.shape[0], cache.shape[0] * page_size, k.device)
+    check_finite("k", k)
     impl = implementation(resolve("indexer_store", k.device))
     impl.indexer_store(k, cache, out_loc, page_size, fp8_dialect())
 

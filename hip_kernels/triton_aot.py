@@ -29,9 +29,9 @@ def _variants(dialect):
     a multiple of 16 (row strides of 512-wide rows), index strides of contiguous 1-D tensors are
     the constant 1, pointers are 16-byte aligned."""
     from . import set_kv_triton as K
-    from .triton_kv_row import fp8_type
+    from .triton_kv_row import fp8_constexprs
 
-    fp8 = {"FP8": fp8_type(dialect), "FP8_MAX": dialect.max}
+    fp8 = fp8_constexprs(dialect)
     swa_page = {"PAGE_SIZE": 256, "PAGE_BYTES": L.page_bytes(256)}
     c4_page = {"PAGE_SIZE": 64, "PAGE_BYTES": L.page_bytes(64)}
     loc = {"loc_ptr": "*i64", "cache_ptr": "*u8", "num_slots": "i64"}
@@ -43,7 +43,7 @@ def _variants(dialect):
     unit = {"pos_stride": 1, "loc_stride": 1, "map_stride": 1, "swa_out_stride": 1}
 
     def numerics(n=L.DEFAULT_NUMERICS):
-        return {"FP8": fp8_type(dialect), "FP8_MAX": n.fp8_max_for(dialect),
+        return {**fp8_constexprs(dialect, n.fp8_max_for(dialect)),
                 "TILE_AMAX_FLOOR": n.amax_floor, "ROUND_BF16": n.round_to_bf16,
                 "KV_NORM": True, "Q_MODE": L.Q_MODES.index(n.q_mode)}
 

@@ -26,6 +26,10 @@ SCALE_BYTES = tl.constexpr(L.SCALE_BYTES)
 INDEX_DIM = tl.constexpr(L.INDEX_DIM)
 AMAX_FLOOR = tl.constexpr(L.AMAX_FLOOR)
 UE8M0_BIAS = tl.constexpr(L.UE8M0_BIAS)
+POISON_SCALE = tl.constexpr(L.POISON_SCALE)
+BF16_NAN = tl.constexpr(L.BF16_NAN)
+FP32_NAN = tl.constexpr(L.FP32_NAN)
+FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
 # Launch options of every set-KV kernel (also used by the ahead-of-time compile): one wave64 per
 # row gives 16-byte loads per lane; no fp contraction so results match the torch reference.
@@ -35,6 +39,26 @@ LAUNCH_OPTIONS = {"num_warps": 1, "enable_fp_fusion": False}
 def fp8_type(dialect):
     """Triton fp8 type of a platform dialect: float8e4b8 (fnuz) or float8e4nv (OCP)."""
     return getattr(tl, dialect.triton_name)
+
+
+def fp8_constexprs(dialect, fp8_max=None) -> dict:
+    """The FP8, FP8_MAX and FP8_NAN arguments of the quantizing kernels for a dialect."""
+    return {"FP8": fp8_type(dialect), "FP8_MAX": dialect.max if fp8_max is None else fp8_max,
+            "FP8_NAN": dialect.nan_byte}
+
+
+@triton.jit
+def is_finite(x):
+    """True where fp32 x is neither NaN nor +-inf."""
+    return tl.abs(x) <= FLT_MAX
+
+
+@triton.jit
+def canonical_nan_bf16(x):
+    """bf16 x with every NaN as the one stored encoding 0x7FC0."""
+    bits = x.to(tl.uint16, bitcast=True)
+    nan = x.to(tl.float32) != x.to(tl.float32)
+    return tl.where(nan, BF16_NAN, bits).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -122,19 +146,24 @@ def rotate_pairs_fma(rope, freq_row_ptr, freq_stride_pair):
 
 @triton.jit
 def quantize_tiles(nope, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
-                   TILE_AMAX_FLOOR: tl.constexpr):
+                   TILE_AMAX_FLOOR: tl.constexpr, FP8_NAN: tl.constexpr):
     """Per-tile fp8 quantization of fp32 nope [8, 64]: scale 2^e with
-    e = ceil(log2(max(amax, TILE_AMAX_FLOOR) / FP8_MAX)) from the fp32 bits. Returns (fp8 bytes
-    [8, 64], scale bytes [8]: 7 ue8m0 + a zero pad byte)."""
+    e = ceil(log2(max(amax, TILE_AMAX_FLOOR) / FP8_MAX)) from the fp32 bits; a tile holding a
+    NaN or inf is poisoned (FP8_NAN bytes, scale byte 0xFF). Returns (fp8 bytes [8, 64], scale
+    bytes [8]: 7 ue8m0 + a zero pad byte)."""
+    poisoned = tl.min(is_finite(nope).to(tl.int32), axis=1) == 0
     amax = tl.maximum(tl.max(tl.abs(nope), axis=1), TILE_AMAX_FLOOR)
+    amax = tl.where(poisoned, 1.0, amax)
     bits = tl.div_rn(amax, tl.full([TILE_BLOCK], FP8_MAX, tl.float32)).to(tl.int32, bitcast=True)
     exp = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
     inv_scale = ((127 - exp) << 23).to(tl.float32, bitcast=True)
     x = nope * inv_scale[:, None]
-    q = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX).to(FP8)
+    q = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX).to(FP8).to(tl.uint8, bitcast=True)
+    q = tl.where(poisoned[:, None], FP8_NAN, q).to(tl.uint8)
     tile = tl.arange(0, TILE_BLOCK)
-    scale_bytes = tl.where(tile < N_TILES, exp + UE8M0_BIAS, 0).to(tl.uint8)
-    return q.to(tl.uint8, bitcast=True), scale_bytes
+    scale = tl.where(poisoned, POISON_SCALE, exp + UE8M0_BIAS)
+    scale_bytes = tl.where(tile < N_TILES, scale, 0).to(tl.uint8)
+    return q, scale_bytes
 
 
 @triton.jit

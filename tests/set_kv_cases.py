@@ -100,3 +100,34 @@ def reference(op: str, args: dict, dialect) -> dict:
 
 def outputs(args: dict) -> dict:
     return {k: args[k] for k in ("cache", "q", "swa_loc_out") if args.get(k) is not None}
+
+
+NEG_NAN = torch.tensor([0xFFC1], dtype=torch.int32).to(torch.int16).view(torch.bfloat16)[0]
+# (row, dim, value): a NaN in tile 1; -inf in tile 0 and a negative NaN with a payload among the
+# RoPE dims; +inf among the RoPE dims. Rows 3 and up stay finite.
+NONFINITE = ((0, 70, float("nan")), (1, 5, float("-inf")), (1, 470, NEG_NAN), (2, 500, float("inf")))
+
+
+def with_nonfinite(op: str, args: dict) -> dict:
+    """A copy of a case (at least 4 rows) whose source rows hold the NONFINITE values."""
+    a = clone_args(args)
+    src = a["rows" if op == "fused_store_cache" else "kv"]
+    for row, dim, value in NONFINITE:
+        src[row, dim] = value
+    return a
+
+
+def nonfinite_case(op: str, page_size: int, seed: int = 3) -> tuple[dict, torch.Tensor]:
+    """Six rows written to distinct slots (none skipped; q heads for the fused op) with the
+    NONFINITE values, and the slot each row lands on."""
+    args = make_case(op, seed, 6, page_size, 4, 2 if op == "fused_k_norm_rope_store" else 0,
+                     torch.int64, torch.bfloat16)
+    slots = torch.randperm(4 * page_size, generator=gen(seed))[:6]
+    if op == "fused_translate_norm_rope_store":
+        slots = slots + 1                                   # SWA slot 0 means unmapped
+        args["full_loc"] = torch.arange(6) * 3 + 1
+        args["full_to_swa"] = torch.zeros(40, dtype=torch.int64)
+        args["full_to_swa"][args["full_loc"]] = slots
+    else:
+        args["out_loc"] = slots
+    return with_nonfinite(op, args), slots

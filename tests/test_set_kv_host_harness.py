@@ -17,7 +17,8 @@ from hip_kernels import kv_layout as L
 from hip_kernels import set_kv_ref as R
 from hip_kernels.platform import FNUZ, OCP
 from kv_inputs import clone_args, same_bytes
-from set_kv_cases import OPS, SHAPES, every_bf16_case, make_case, outputs, reference
+from set_kv_cases import (OPS, SHAPES, every_bf16_case, make_case, nonfinite_case, outputs,
+                          reference)
 
 ROOT = Path(__file__).resolve().parent.parent
 TWO_32 = 2 ** 32
@@ -186,3 +187,15 @@ def test_slots_past_the_cache_are_masked_in_the_kernel(host_ops, flag_env, op):
     assert not (want["cache"] == 0x5A).all(), "the in-range rows were not written"
     if op == "fused_translate_norm_rope_store":
         assert want["swa_loc_out"][:2].tolist() == [8, -1]
+
+
+@pytest.mark.parametrize("lanes", [64, 32])
+@pytest.mark.parametrize("dialect", [FNUZ, OCP], ids=str)
+@pytest.mark.parametrize("op", OPS)
+def test_nonfinite_rows_are_poisoned_like_the_reference(host_ops, op, dialect, lanes):
+    """NaN and inf in K/V: the HIP logic writes the reference's poisoned bytes (the policy itself
+    is checked in test_set_kv_nonfinite.py)."""
+    args, _ = nonfinite_case(op, 4)
+    want = reference(op, args, dialect)
+    assert (want["cache"] == 0xFF).any()
+    assert_same(run_host(host_ops, op, args, dialect, lanes), want)

@@ -101,7 +101,8 @@ DSV4_HD float weight_at(const void* w, bool bf16, int i) {
   return bf16 ? bf16_to_float(static_cast<const uint16_t*>(w)[i]) : static_cast<const float*>(w)[i];
 }
 
-// Phase 2: normalize and rotate in place (bf16-rounded values); returns the lane's nope amax.
+// Phase 2: normalize and rotate in place (bf16-rounded values); returns the lane's nope amax,
+// +inf when one of its values is NaN or +-inf (the tile is then stored poisoned).
 template <int LANES>
 DSV4_HD float finish_lane(const RowJob& job, const SetKvParams& p, int lane, float inv_rms,
                           float* x) {
@@ -128,12 +129,14 @@ DSV4_UNROLL
   float amax = 0.0f;
   if (lane < L::kRopeLane) {
 DSV4_UNROLL
-    for (int i = 0; i < L::kEpt; ++i) amax = max_f(amax, abs_f(x[i]));
+    for (int i = 0; i < L::kEpt; ++i) amax = max_f(amax, poisoning_abs(x[i]));
   }
   return amax;
 }
 
-// Phase 3: write the lane's part of the row. tile_amax: the amax of the lane's 64-wide tile.
+// Phase 3: write the lane's part of the row. tile_amax: the amax of the lane's 64-wide tile;
+// +inf poisons the tile (every value byte the dialect's NaN, scale byte 0xff). NaN RoPE values
+// leave as the bf16 NaN 0x7FC0 (float_to_bf16).
 template <Fp8Dialect D, int LANES>
 DSV4_HD void store_lane(const RowJob& job, int lane, float tile_amax, const float* x) {
   using L = Lane<LANES>;
@@ -141,6 +144,14 @@ DSV4_HD void store_lane(const RowJob& job, int lane, float tile_amax, const floa
   if (job.q_out != nullptr) {
 DSV4_UNROLL
     for (int i = 0; i < L::kEpt; ++i) job.q_out[first + i] = float_to_bf16(x[i]);
+    return;
+  }
+  if (lane < L::kRopeLane && is_inf(tile_amax)) {
+    uint32_t* out = reinterpret_cast<uint32_t*>(job.values + first);
+    constexpr uint32_t nan4 = 0x01010101u * Fp8Traits<D>::nan;
+DSV4_UNROLL
+    for (int i = 0; i < L::kEpt; i += 4) out[i / 4] = nan4;
+    if (lane % L::kTileLanes == 0) job.scales[lane / L::kTileLanes] = kPoisonScale;
     return;
   }
   if (lane < L::kRopeLane) {

@@ -111,6 +111,15 @@ DSV4_HD float abs_f(float x) { return bits_float(float_bits(x) & 0x7fffffffu); }
 
 DSV4_HD float max_f(float a, float b) { return a > b ? a : b; }
 
+constexpr uint32_t kInfBits = 0x7f800000u;
+
+// |x|, with NaN and +-inf as +inf: the amax of a tile is +inf exactly when it must be poisoned.
+DSV4_HD float poisoning_abs(float x) {
+  return (float_bits(x) & kInfBits) == kInfBits ? bits_float(kInfBits) : abs_f(x);
+}
+
+DSV4_HD bool is_inf(float x) { return (float_bits(x) & 0x7fffffffu) == kInfBits; }
+
 // ceil(log2(r)) of a positive normal float, read exactly from its bits.
 DSV4_HD int ceil_log2(float r) {
   const uint32_t u = float_bits(r);

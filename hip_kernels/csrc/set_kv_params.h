@@ -16,6 +16,7 @@ constexpr int kValueBytes = kNopeDim + 2 * kRopeDim;    // 576
 constexpr int kScaleBytes = 8;                          // 7 scales + 1 pad byte
 constexpr int kUe8m0Bias = 127;
 constexpr float kAmaxFloor = 1e-4f;
+constexpr uint8_t kPoisonScale = 0xff;  // scale byte of a tile with a NaN or inf (ue8m0 NaN)
 
 // A strided int32 or int64 vector (positions, locations, the full->SWA map).
 struct IndexArray {
