@@ -1,18 +1,29 @@
-"""Random allocate / free / evict / remap / translate sequences against a plain-Python model of
-the two-sided allocator: never a stale translation, never a leaked or double-freed page, and
-the mapping tensor always equals the model's (same storage, trailing -1)."""
+"""Random allocate / free / evict / remap / translate / retract / resume sequences against a
+plain-Python model of the two-sided allocator: never a stale translation, never a leaked or
+double-freed page, the mapping tensor always equal to the model's (same storage, trailing -1),
+and a retracted request's KV bytes back byte for byte after its resume. The SWA location cache
+runs with DSV4_SWA_CACHE_VERIFY=1, so any stale hit raises inside the step that made it."""
 
 import copy
+import os
 
 import pytest
 import torch
-from hypothesis import settings
+from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from mem_pool_testlib import small_pool
 
 P = 4
-FULL_PAGES, SWA_PAGES, LAYERS = 10, 6, 3
+FULL_PAGES, SWA_PAGES = 10, 6
+RATIOS = (0, 4, 0)                  # SWA layers, and one C4 layer with its indexer
+LAYERS = len(RATIOS)
+
+
+@pytest.fixture(autouse=True)
+def verify_every_cache_hit(flag_env):
+    flag_env(DSV4_SWA_CACHE_VERIFY="1")
+    assert os.environ["DSV4_SWA_CACHE_VERIFY"] == "1"
 
 
 def ceil_div(a, b):
@@ -60,8 +71,13 @@ def pages_of(locs):
 class AllocatorMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
-        self.pool, self.al = small_pool((0,) * LAYERS, full_tokens=FULL_PAGES * P,
+        self.pool, self.al = small_pool(RATIOS, full_tokens=FULL_PAGES * P,
                                         swa_tokens=SWA_PAGES * P, page_size=P)
+        g = torch.Generator().manual_seed(0)
+        for table in (self.pool.swa_caches, self.pool.c4_caches, self.pool.indexer_caches):
+            for cache in table.values():            # distinct bytes, so a misplaced row shows
+                cache.copy_(torch.randint(0, 256, cache.shape, generator=g, dtype=torch.uint8))
+        self.retracted: list[tuple[torch.Tensor, object]] = []
         self.mapping = self.al.full_to_swa_index_mapping
         self.ptr = self.mapping.data_ptr()
         self.model = Model()
@@ -187,6 +203,60 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.al.set_full_to_swa_mapping(torch.arange(page * P, page * P + P), swa)
         self.model.swa_of[page] = sp
 
+    # ---- retraction ---------------------------------------------------------------------
+
+    @precondition(lambda self: self.model.reqs)
+    @rule(i=st.integers(0, 99))
+    def retract(self, i):
+        """Copy a request's rows to the host and free its pages (dsv4.retraction.retract)."""
+        rid = self.pick(i)
+        locs = self.model.reqs.pop(rid)
+        host = self.pool.get_cpu_copy(locs)
+        self.al.free(locs)
+        self.model.drop_swa(pages_of(locs))
+        self.model.full_free.update(pages_of(locs))
+        self.retracted.append((locs, host))
+
+    @precondition(lambda self: self.retracted)
+    @rule(i=st.integers(0, 99))
+    def resume(self, i):
+        self.resume_at(i % len(self.retracted))
+
+    @precondition(lambda self: self.model.reqs)
+    @rule(i=st.integers(0, 99))
+    def retract_and_resume(self, i):
+        """Both in one step (resuming is rare otherwise): the pages freed go to the back of
+        the free list, so the request comes back on other pages."""
+        self.retract(i)
+        self.resume_at(len(self.retracted) - 1)
+
+    def resume_at(self, k):
+        """Fresh pages for the same length, SWA pages dropped where the copy has none (the
+        engine's out-of-window free), the copy loaded back: the bytes read back equal it."""
+        n, host = self.retracted[k][0].numel(), self.retracted[k][1]
+        if not self.model.can_take(ceil_div(n, P)):
+            assert self.al.alloc_extend([0], [n], [-1], n) is None
+            event("resume: no room")
+            return
+        event("resume: loaded back")
+        del self.retracted[k]
+        locs = self.al.alloc_extend([0], [n], [-1], n)
+        self.model.take(self.al, pages_of(locs))
+        self.add_request(locs)
+        swa_mask = host.families["swa"].mask
+        dropped = pages_of(locs[~swa_mask])
+        if dropped:
+            event("resume: with SWA pages dropped")
+            self.al.free_swa(self.al.full_attn_allocator.page_locations(torch.tensor(dropped)))
+            self.model.drop_swa(dropped)
+        self.pool.load_cpu_copy(host, locs)
+        back = self.pool.get_cpu_copy(locs)
+        for family, rows in host.families.items():
+            assert torch.equal(back.families[family].mask, rows.mask)
+            for layer, (values, scales) in rows.layers.items():
+                got_values, got_scales = back.families[family].layers[layer]
+                assert torch.equal(got_values, values) and torch.equal(got_scales, scales)
+
     # ---- whole state --------------------------------------------------------------------
 
     @rule()
@@ -200,6 +270,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.al.restore_state(state)
         self.model = copy.deepcopy(model)
         self.freed.clear()
+        self.retracted.clear()                 # their pages may be someone's again
 
     @precondition(lambda self: len(self.model.reqs) >= 3)
     @rule()
@@ -207,6 +278,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.al.clear()
         self.model = Model()
         self.freed.clear()
+        self.retracted.clear()
 
     # ---- translation --------------------------------------------------------------------
 
@@ -247,6 +319,12 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert torch.equal(self.mapping, self.model.expected_mapping())
 
     @invariant()
+    def every_cached_translation_is_fresh(self):
+        for locs in self.model.reqs.values():
+            assert torch.equal(self.pool.get_cached_swa_loc(locs),
+                               self.mapping[locs].to(torch.int32))
+
+    @invariant()
     def no_page_leaked_or_shared(self):
         m = self.model
         held = [p for locs in m.reqs.values() for p in pages_of(locs)]
@@ -261,6 +339,6 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert self.al.swa_available_size() == len(m.swa_free) * P
 
 
-AllocatorMachine.TestCase.settings = settings(max_examples=50, stateful_step_count=30,
+AllocatorMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=50,
                                               deadline=None)
 TestAllocatorStateMachine = AllocatorMachine.TestCase
