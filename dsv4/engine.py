@@ -65,6 +65,9 @@ class Engine:
                  page_size: int = 256, max_batch: int = 8, max_context_len: int | None = None,
                  kv_bytes: int | None = None, eos_token_id: int | None = None,
                  graph: bool | None = None):
+        for name, value in (("max_batch", max_batch), ("page_size", page_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         cfg = model.config
         self.model = model
         self.device = next(model.parameters()).device
@@ -155,20 +158,36 @@ class Engine:
     def _check_call(self, prompts, max_new_tokens, forced_tokens) -> None:
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError("prompt_token_ids must be a non-empty list of prompts (lists of ids)")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or (
+                max_new_tokens < 1):
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         if forced_tokens is not None and (len(forced_tokens) != len(prompts) or any(
                 len(f) < max_new_tokens for f in forced_tokens)):
             raise ValueError("forced_tokens needs one list of >= max_new_tokens tokens per prompt")
+        for i, forced in enumerate(forced_tokens or ()):
+            bad = self._bad_token(forced)
+            if bad is not None:
+                raise ValueError(f"forced_tokens[{i}] holds {bad!r}: token ids are ints in "
+                                 f"0..{self.model.config.vocab_size - 1}")
+
+    def _bad_token(self, ids):
+        """The first id that is not an int of the vocabulary (bools and floats included), or
+        None when all are."""
+        vocab = self.model.config.vocab_size
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                return t
+        return None
 
     def _request_error(self, i: int, prompt, max_new_tokens: int) -> str | None:
         """Why prompt i cannot run at all (a per-request failure), or None."""
         if not isinstance(prompt, (list, tuple)) or not prompt:
-            return f"prompt_token_ids[{i}] must be a non-empty list of token ids"
-        vocab = self.model.config.vocab_size
-        for t in prompt:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                return f"prompt_token_ids[{i}] holds {t!r}: token ids are ints in 0..{vocab - 1}"
+            return (f"prompt_token_ids[{i}] must be a non-empty list of token ids, got "
+                    f"{type(prompt).__name__}{' (empty)' if isinstance(prompt, list) else ''}")
+        bad = self._bad_token(prompt)
+        if bad is not None:
+            return (f"prompt_token_ids[{i}] holds {bad!r}: token ids are ints in "
+                    f"0..{self.model.config.vocab_size - 1}")
         longest = len(prompt) + max_new_tokens - 1
         if longest > self.max_context_len:
             return (f"prompt_token_ids[{i}]: prompt + max_new_tokens - 1 = {longest} tokens "

@@ -32,6 +32,16 @@ def check_tensor(name: str, t, *, dtype=None, dtypes=None, dim=None, shape=None,
         raise ValueError(f"{name} must have unit stride in its last dimension, got {t.stride()}")
 
 
+def check_page_size(page_size) -> None:
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+
+
+def check_eps(eps) -> None:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < float("inf"):
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+
+
 def check_cache(name: str, cache, row_bytes: int, page_size: int, device) -> None:
     check_tensor(name, cache, dtype=torch.uint8, dim=2, device=device)
     if cache.shape[1] != row_bytes:
@@ -44,6 +54,7 @@ def check_cache(name: str, cache, row_bytes: int, page_size: int, device) -> Non
 def check_kv_cache(name: str, cache, page_size: int, device) -> None:
     """A V4-layout cache: contiguous [pages, page_bytes(page_size)], or [pages, page_size * 584]
     (the used bytes of each page) with unit inner stride and pages stride(0) bytes apart."""
+    check_page_size(page_size)
     check_tensor(name, cache, dtype=torch.uint8, dim=2, device=device)
     padded, used = page_bytes(page_size), page_size * TOKEN_BYTES
     if cache.is_contiguous() and cache.shape[1] == padded:

@@ -15,8 +15,8 @@ import torch
 
 from . import kv_layout as L
 from .backend import implementation, resolve
-from .checks import (check_cache, check_finite, check_kv_cache, check_locations,
-                     check_slot_values, check_tensor, value_checks_enabled)
+from .checks import (check_cache, check_eps, check_finite, check_kv_cache, check_locations,
+                     check_page_size, check_slot_values, check_tensor, value_checks_enabled)
 from .kv_layout import DEFAULT_NUMERICS, StoreNumerics
 from .platform import fp8_dialect
 from .set_kv_ref import translate_full_to_swa
@@ -24,8 +24,9 @@ from .set_kv_ref import translate_full_to_swa
 FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def _check_norm_rope_args(kv, weight, freqs_cis, positions, cache, page_size):
+def _check_norm_rope_args(kv, weight, eps, freqs_cis, positions, cache, page_size):
     check_tensor("kv", kv, dtype=torch.bfloat16, shape=(None, L.HEAD_DIM), last_contiguous=True)
+    check_eps(eps)
     dev = kv.device
     if weight is not None:
         check_tensor("weight", weight, dtypes=FLOATS, shape=(L.HEAD_DIM,), device=dev,
@@ -77,7 +78,7 @@ def fused_k_norm_rope_store(kv, weight, eps, freqs_cis, positions, out_loc, cach
     the weightless per-head RMSNorm + RoPE to q in place (as numerics.q_mode says), for every
     row, whatever its location."""
     _check_numerics(numerics)
-    _check_norm_rope_args(kv, weight, freqs_cis, positions, cache, page_size)
+    _check_norm_rope_args(kv, weight, eps, freqs_cis, positions, cache, page_size)
     _check_q(q, kv.shape[0], kv.device)
     check_locations("out_loc", out_loc, kv.shape[0], cache.shape[0] * page_size, kv.device)
     impl = implementation(resolve("fused_k_norm_rope_store", kv.device,
@@ -124,6 +125,7 @@ def store_kv_pack(nope_fp8, rope_bf16, scales, cache, out_loc, page_size) -> Non
 def indexer_store(k, cache, out_loc, page_size) -> None:
     """Quantize indexer keys [N, 128] (fp32 scale per row) into the 132-byte indexer layout."""
     check_tensor("k", k, dtypes=FLOATS, shape=(None, L.INDEX_DIM), last_contiguous=True)
+    check_page_size(page_size)
     check_cache("cache", cache, L.indexer_page_bytes(page_size), page_size, k.device)
     check_locations("out_loc", out_loc, k.shape[0], cache.shape[0] * page_size, k.device)
     check_finite("k", k)
@@ -136,7 +138,7 @@ def fused_translate_norm_rope_store(kv, weight, eps, freqs_cis, positions, full_
     """As fused_k_norm_rope_store, but translates full-pool locations through full_to_swa inside
     the kernel. Negative full locations and unmapped (0) slots write nothing. swa_loc_out [N]
     int32, if given, receives the translated slots (-1 for negative locations)."""
-    _check_norm_rope_args(kv, weight, freqs_cis, positions, cache, page_size)
+    _check_norm_rope_args(kv, weight, eps, freqs_cis, positions, cache, page_size)
     n, dev = kv.shape[0], kv.device
     check_tensor("full_to_swa", full_to_swa, dtypes=(torch.int32, torch.int64), dim=1, device=dev)
     check_locations("full_loc", full_loc, n, full_to_swa.shape[0], dev)

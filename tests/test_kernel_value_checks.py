@@ -54,3 +54,25 @@ def test_a_slot_written_twice_is_refused_before_any_write(flag_env):
                                            torch.zeros(4, dtype=torch.int64),
                                            torch.tensor([1, 2, 3, -1]), full_to_swa, cache, P)
     assert not cache.any()
+
+
+@pytest.mark.parametrize("eps", [float("nan"), -1e-6, float("inf"), "1e-6"])
+def test_a_bad_eps_is_refused_before_any_write(eps):
+    kv, cache = _args()
+    freqs = torch.polar(torch.ones(4, 32), torch.zeros(4, 32))
+    with pytest.raises(ValueError, match="eps must be a finite number >= 0"):
+        hk.fused_k_norm_rope_store(kv, torch.ones(512).bfloat16(), eps, freqs,
+                                   torch.zeros(2, dtype=torch.int64), torch.tensor([0, 1]), cache,
+                                   P)
+    assert not cache.any()
+
+
+@pytest.mark.parametrize("page_size", [2.0, 0, True])
+def test_a_page_size_that_is_not_a_positive_int_is_refused(page_size):
+    kv, cache = _args()
+    with pytest.raises(ValueError, match="page_size must be an int >= 1"):
+        hk.fused_store_cache(kv, cache, torch.tensor([0, 1]), page_size)
+    with pytest.raises(ValueError, match="page_size must be an int >= 1"):
+        hk.indexer_store(torch.zeros(2, 128), torch.zeros(2, 264, dtype=torch.uint8),
+                         torch.tensor([0, 1]), page_size)
+    assert not cache.any()

@@ -118,6 +118,14 @@ def test_mistakes_of_the_call_itself_raise(model):
     for prompts_arg in ("hello", [], None):
         with pytest.raises(ValueError, match="prompt_token_ids must be a non-empty list"):
             engine.generate(prompts_arg, 2)
-    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
-        engine.generate([[1, 2]], 0)
+    for n in (0, 1.5, True):
+        with pytest.raises(ValueError, match=r"max_new_tokens must be an int >= 1, got"):
+            engine.generate([[1, 2]], n)
+    with pytest.raises(ValueError, match=rf"forced_tokens\[1\] holds {TINY.vocab_size}: token"):
+        engine.generate([[1, 2], [3]], 2, forced_tokens=[[1, 2], [4, TINY.vocab_size]])
+    with pytest.raises(ValueError, match=r"forced_tokens\[0\] holds 2.0"):
+        engine.generate([[1, 2]], 2, forced_tokens=[[1, 2.0]])
     assert all_free(engine)
+    for name in ("max_batch", "page_size"):
+        with pytest.raises(ValueError, match=f"{name} must be an int >= 1, got 0"):
+            Engine(model, **{"max_batch": 2, "page_size": PAGE, name: 0}, graph=False)
