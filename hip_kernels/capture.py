@@ -12,6 +12,7 @@ import torch
 from .platform import backend
 
 _emulated_capture = False
+_on_gpu: bool | None = None     # backend() != "cpu", read once (is_capturing is on hot paths)
 
 
 def set_emulated_capture(on: bool) -> None:
@@ -20,6 +21,9 @@ def set_emulated_capture(on: bool) -> None:
 
 
 def is_capturing() -> bool:
+    global _on_gpu
     if _emulated_capture:
         return True
-    return backend() != "cpu" and torch.cuda.is_current_stream_capturing()
+    if _on_gpu is None:
+        _on_gpu = backend() != "cpu"
+    return _on_gpu and torch.cuda.is_current_stream_capturing()

@@ -105,8 +105,14 @@ def all_flags() -> list[Flag]:
     return sorted(_REGISTRY.values(), key=lambda f: (f.package, f.name))
 
 
+# Bumped by refresh(): a reader that remembers flag values may reuse them while it is unchanged.
+EPOCH = 0
+
+
 def refresh() -> None:
     """Forget cached values so the next read sees the current environment."""
+    global EPOCH
+    EPOCH += 1
     for f in _REGISTRY.values():
         f._cached = False
         f._cache = None

@@ -209,6 +209,9 @@ class DeepSeekV4TokenToKVPool:
     def get_cached_swa_loc(self, loc: torch.Tensor, layer_id: int | None = None) -> torch.Tensor:
         """As translate_loc_from_full_to_swa, computed once per location tensor and mapping
         state. layer_id is accepted for call-site compatibility; it never decides freshness."""
+        hit = self._loc_cache.last_hit(loc)
+        if hit is not None:
+            return hit
         mapping = self.registered_mapping()
         check_loc_tensor("loc", loc, mapping.device)
         return self._loc_cache.get(loc, mapping, self._translate)

@@ -13,6 +13,10 @@ reused only when nothing that could change the answer has changed:
 - whether a graph is being captured (an entry from a warm-up run must not let the capture skip
   the gather, and a tensor from a capture is not reused eagerly).
 
+The tensor most recently served has a fast path: when the very same tensor object comes back
+with the same address, version and mapping state (the other layers of a step), the hit costs a
+few attribute reads instead of building the key.
+
 Entries hold a reference to the keyed tensor, so its memory cannot be recycled for the next
 batch while cached, and the result's version is checked so a caller that modified the returned
 tensor gets a fresh one. Tensors without a version counter (created under torch.inference_mode)
@@ -36,6 +40,7 @@ from typing import Callable
 
 import torch
 
+from hip_kernels import flags
 from hip_kernels.capture import is_capturing
 
 from . import envs
@@ -81,6 +86,7 @@ class SwaLocCache:
         self.generation = 0
         self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
         self._warned_unversioned = False
+        self._last: tuple | None = None     # the fast path: see last_hit
 
     def bump_generation(self) -> None:
         self.generation += 1
@@ -88,12 +94,37 @@ class SwaLocCache:
     def invalidate(self) -> None:
         """Drop every entry (idempotent)."""
         self._entries.clear()
+        self._last = None
+
+    def last_hit(self, loc: torch.Tensor) -> torch.Tensor | None:
+        """The cached translation when loc is the very tensor served last and nothing in its
+        key can have changed (same checks as get, on the remembered values); else None."""
+        last = self._last
+        if last is None or loc is not last[0]:
+            return None
+        _, version, ptr, mapping, mapping_version, generation, capturing, swa_loc, swa_version, \
+            flags_epoch = last
+        if (loc._version != version or loc.data_ptr() != ptr or mapping._version != mapping_version
+                or self.generation != generation or swa_loc._version != swa_version
+                or flags.EPOCH != flags_epoch or is_capturing() != capturing):
+            return None
+        self.stats.hits += 1
+        return swa_loc
+
+    def _remember(self, loc, mapping, mapping_state, entry: _Entry) -> None:
+        """Serve loc by last_hit from now on (not while every hit must be verified)."""
+        if envs.SWA_CACHE_VERIFY.get():
+            self._last = None
+            return
+        self._last = (loc, loc._version, loc.data_ptr(), mapping, mapping._version,
+                      mapping_state[2], mapping_state[3], entry.swa_loc, entry.swa_loc_version,
+                      flags.EPOCH)
 
     def get(self, loc: torch.Tensor, mapping: torch.Tensor,
             translate: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """The translation of loc: cached when provably fresh, else translate(loc)."""
         if not envs.CACHE_SWA_TRANSLATION.get():
-            self._entries.clear()
+            self.invalidate()
             return translate(loc)
         loc_version = _version(loc)
         if loc_version is None:
@@ -109,12 +140,14 @@ class SwaLocCache:
             self.stats.hits += 1
             if envs.SWA_CACHE_VERIFY.get() and not is_capturing():
                 _verify(loc, mapping, entry.swa_loc)
+            self._remember(loc, mapping, mapping_state, entry)
             return entry.swa_loc
         self.stats.misses += 1
         with torch.inference_mode(False):  # the result needs a version counter
             swa_loc = translate(loc)
         self._drop_stale(mapping_state)
-        self._entries[key] = _Entry(loc, swa_loc, swa_loc._version, mapping_state)
+        self._entries[key] = entry = _Entry(loc, swa_loc, swa_loc._version, mapping_state)
+        self._remember(loc, mapping, mapping_state, entry)
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)
         return swa_loc
@@ -123,6 +156,7 @@ class SwaLocCache:
         """Entries of an older mapping state can never hit again: release their tensors."""
         for key in [k for k, e in self._entries.items() if e.mapping_state != mapping_state]:
             del self._entries[key]
+        self._last = None
 
     def _warn_unversioned(self) -> None:
         if not self._warned_unversioned:

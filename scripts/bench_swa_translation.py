@@ -40,6 +40,8 @@ Run: python scripts/bench_swa_translation.py [--quick] [--out FILE.json]
 from __future__ import annotations
 
 import json
+import statistics
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -180,6 +182,35 @@ def measure(method: str, mode: str, s: Setup, args) -> dict:
             "translations_per_step": translations, "launches_by_name": launches.by_name}
 
 
+def hit_costs(s: Setup, calls: int, rounds: int = 7) -> dict:
+    """Cost of one cache hit (a layer after the first in a step), three ways, interleaved in
+    the same process: the start_layer rule, the identity cache's keyed lookup (the path every
+    hit took before the same-tensor fast path) and the identity cache as called (fast path)."""
+    pool, loc = s.pool, s.loc
+    rule = StartLayerRule(pool)
+    rule.get(loc, pool.start_layer)
+    cache, mapping, translate = pool._loc_cache, pool.registered_mapping(), pool._translate
+    other = pool.start_layer + 1
+    ways = {"start_layer_hit_us": lambda: rule.get(loc, other),
+            "identity_keyed_hit_us": lambda: cache.get(loc, mapping, translate),
+            "identity_cache_hit_us": lambda: pool.get_cached_swa_loc(loc, other)}
+    pool.get_cached_swa_loc(loc, other)
+    samples: dict[str, list[float]] = {k: [] for k in ways}
+    for _ in range(rounds):
+        for name, fn in ways.items():
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            samples[name].append((time.perf_counter() - t0) / calls * 1e6)
+    out = {k: round(statistics.median(v), 4) for k, v in samples.items()}
+    out["cache_over_start_layer"] = round(out["identity_cache_hit_us"]
+                                          / out["start_layer_hit_us"], 2)
+    out["keyed_over_start_layer"] = round(out["identity_keyed_hit_us"]
+                                          / out["start_layer_hit_us"], 2)
+    out["calls_per_sample"] = calls
+    return out
+
+
 def derive(rows: list[dict]) -> list[dict]:
     """Per (model, batch, mode): what the cache saves and what translating in the kernel costs."""
     groups: dict[tuple, dict[str, dict]] = {}
@@ -264,6 +295,12 @@ def main(argv=None) -> dict:
             del setup
     record["results"] = rows
     record["derived"] = derive(rows)
+    setup = build(MODELS[args.models[0]], 1, args.context_len, args.page_size)
+    record["hit_cost"] = hit_costs(setup, 2000 if args.quick else 20000)
+    h = record["hit_cost"]
+    print(f"cache hit: start_layer rule {h['start_layer_hit_us']} us, identity cache "
+          f"{h['identity_cache_hit_us']} us ({h['cache_over_start_layer']}x; keyed lookup "
+          f"{h['identity_keyed_hit_us']} us, {h['keyed_over_start_layer']}x)")
     record["anchor_us_per_layer"] = anchor_us_per_layer()
     bc.write_json(args.out, record)
     print(f"wrote {args.out}")

@@ -15,9 +15,11 @@ P = 4
 LAYERS = 6
 
 
-@pytest.fixture
-def pa(flag_env):
-    flag_env(DSV4_SWA_CACHE_VERIFY="1")   # the cache on (default), every hit re-checked
+@pytest.fixture(params=["verify", "fast path"])
+def pa(flag_env, request):
+    """The cache on (default), either with every hit re-checked (DSV4_SWA_CACHE_VERIFY=1: a
+    stale hit raises) or as deployed (hits of the last tensor take the fast path)."""
+    flag_env(DSV4_SWA_CACHE_VERIFY="1" if request.param == "verify" else "0")
     return small_pool(ratios=(0,) * LAYERS, full_tokens=32 * P, swa_tokens=32 * P, page_size=P)
 
 
@@ -341,6 +343,7 @@ def test_writes_that_bypass_the_version_counter_are_caught_by_verify(pa, flag_en
     from mem_pool import StaleSwaLocError
 
     pool, al = pa
+    flag_env(DSV4_SWA_CACHE_VERIFY="1")
     for write in (lambda t: t.data.copy_(t.data.flip(0)),
                   lambda t: t.numpy().__setitem__(slice(None), t.numpy()[::-1].copy())):
         loc = al.alloc(8)
@@ -356,3 +359,20 @@ def test_writes_that_bypass_the_version_counter_are_caught_by_verify(pa, flag_en
                            pool.translate_loc_from_full_to_swa(loc))
         flag_env(DSV4_SWA_CACHE_VERIFY="1")
         al.free(loc)
+
+
+def test_the_fast_path_serves_the_last_tensor_and_misses_on_any_change(pa, flag_env):
+    pool, al = pa
+    loc, other = al.alloc(2 * P), al.alloc(2 * P)
+    fresh = expected_swa(al, loc)
+    first = pool.get_cached_swa_loc(loc)
+    hits = pool.swa_loc_stats.hits
+    assert pool.get_cached_swa_loc(loc) is first and pool.swa_loc_stats.hits == hits + 1
+    loc.data = other                                   # .data assignment: a new address
+    assert torch.equal(pool.get_cached_swa_loc(loc), expected_swa(al, loc))
+    assert not torch.equal(expected_swa(al, loc), fresh)
+    pool.get_cached_swa_loc(loc)
+    flag_env(DSV4_CACHE_SWA_TRANSLATION="0")           # flags re-read: the cache is off
+    translations = pool.swa_loc_stats.translations
+    pool.get_cached_swa_loc(loc)
+    assert pool.swa_loc_stats.translations == translations + 1
