@@ -151,7 +151,7 @@ class Engine:
                         on_step()
         finally:
             for req in running:
-                self._release([req.slot], [req.seq_len])
+                self._release(req)
         logits = _stack_logits([r.logits for r in reqs]) if return_logits else None
         return GenerateOutput([r.out for r in reqs], logits, [r.error for r in reqs])
 
@@ -249,11 +249,13 @@ class Engine:
                                            int(lens.sum()))
         if locs is None:
             raise RuntimeError(f"KV pool exhausted: prefill of {int(lens.sum())} tokens")
+        host_locs = self.allocator.last_handed_out.tolist()
         slots = self._admit(len(reqs))
         start = 0
         for req, slot in zip(reqs, slots):
             req.slot, req.seq_len = slot, len(req.prompt)
             self.req_to_token_pool.write(slot, 0, locs[start:start + req.seq_len])
+            req.locs, req.swa_freed_to = host_locs[start:start + req.seq_len], 0
             start += req.seq_len
         self._note_usage()
         dev = self.device
@@ -274,8 +276,10 @@ class Engine:
         if locs is None:  # the one running request could not grow: it failed on its own
             return
         dev = self.device
-        for req, loc in zip(running, locs):
-            self.req_to_token_pool.write(req.slot, req.seq_len, loc.view(1))
+        self.req_to_token_pool.write_positions(torch.tensor([r.slot for r in running]),
+                                               torch.tensor([r.seq_len for r in running]), locs)
+        for req, loc in zip(running, self.allocator.last_handed_out.tolist()):
+            req.locs.append(loc)
             req.seq_len += 1
         lens = torch.tensor([r.seq_len for r in running], device=dev)
         batch = ForwardBatch(ForwardMode.DECODE,
@@ -292,17 +296,15 @@ class Engine:
         """One location per running request; retracts the latest admitted until they fit (None:
         the last one alone did not fit and failed)."""
         while True:
-            rows = torch.tensor([r.slot for r in running])
             lens = torch.tensor([r.seq_len + 1 for r in running])
-            last_loc = self.req_to_token[rows, lens - 2].long().cpu()
+            last_loc = torch.tensor([r.locs[-1] for r in running])
             locs = self.allocator.alloc_decode(lens, last_loc)
             if locs is not None:
                 self._note_usage()
                 return locs
             if len(running) == 1:
                 req = running.pop()
-                self._release([req.slot], [req.seq_len])
-                req.slot = None
+                self._release(req)
                 req.fail(f"KV pool exhausted: request {req.index} alone needs more than the "
                          f"pool's {self.allocator.size_full} tokens")
                 return None
@@ -334,25 +336,29 @@ class Engine:
             req.append(req.forced[len(req.out)] if req.forced else int(token), self.eos_token_id)
             if req.finished:
                 running.remove(req)
-                self._release([req.slot], [req.seq_len])
-                req.slot = None
+                self._release(req)
             else:
-                self._evict_out_of_window([req.slot], [req.seq_len])
+                self._evict_out_of_window(req)
 
     def _note_usage(self) -> None:
         a, s = self.allocator, self.stats
         s.peak_full_tokens = max(s.peak_full_tokens, a.size_full - a.full_available_size())
         s.peak_swa_tokens = max(s.peak_swa_tokens, a.size_swa - a.swa_available_size())
 
-    def _evict_out_of_window(self, slots, seq_lens) -> None:
-        window = self.model.config.window_size
-        for slot, n in zip(slots, seq_lens):
-            self.allocator.free_swa_out_of_window(self.req_to_token[slot, :n].cpu(), n, window)
+    def _evict_out_of_window(self, req: Request) -> None:
+        """Free the SWA pages of the whole pages that just left the window (nothing on most
+        steps; never a rescan of the request's history)."""
+        gone = max(0, req.seq_len - self.model.config.window_size) // self.page_size
+        gone *= self.page_size
+        if gone > req.swa_freed_to:
+            self.allocator.free_swa(torch.tensor(req.locs[req.swa_freed_to:gone]))
+            req.swa_freed_to = gone
 
-    def _release(self, slots, seq_lens) -> None:
-        for slot, n in zip(slots, seq_lens):
-            self.allocator.free(self.req_to_token[slot, :n].long().cpu())
-            self.req_to_token_pool.free(slot)
+    def _release(self, req: Request) -> None:
+        """Free the request's pages and its slot."""
+        self.allocator.free(torch.tensor(req.locs, dtype=torch.int64))
+        self.req_to_token_pool.free(req.slot)
+        req.slot, req.locs = None, []
 
 
 def _stack_logits(per_request: list[list[torch.Tensor]]) -> torch.Tensor | None:

@@ -78,3 +78,13 @@ class ReqToTokenPool:
             raise ValueError(f"request slot {slot}: positions up to {end - 1} exceed "
                              f"max_context_len={self.max_context_len}")
         self.req_to_token[slot, start:end] = locs.to(torch.int32)
+
+    def write_positions(self, slots: torch.Tensor, positions: torch.Tensor,
+                        locs: torch.Tensor) -> None:
+        """req_to_token[slots[i], positions[i]] = locs[i] in one op (slots and positions: host
+        int64 tensors, so the bound check costs no sync)."""
+        if positions.numel() and int(positions.max()) >= self.max_context_len:
+            raise ValueError(f"positions up to {int(positions.max())} exceed "
+                             f"max_context_len={self.max_context_len}")
+        dev = self.req_to_token.device
+        self.req_to_token[slots.to(dev), positions.to(dev)] = locs.to(dev, torch.int32)

@@ -18,6 +18,11 @@ class Request:
     out: list[int] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
     host_copy: object | None = None     # KVHostCopy while retracted
+    # The request's block table on the host: the full location of each stored position, kept
+    # as it grows so a step never reads it back from the device; positions before
+    # swa_freed_to have had their SWA pages freed (they left the window).
+    locs: list[int] = field(default_factory=list)
+    swa_freed_to: int = 0
     finished: bool = False
     error: str | None = None            # why the request failed on its own
 

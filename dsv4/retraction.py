@@ -15,11 +15,11 @@ from .request import Request
 
 
 def retract(engine, req: Request) -> None:
-    locs = engine.req_to_token[req.slot, :req.seq_len].long()
-    req.host_copy = engine.pool.get_cpu_copy(locs, req_pool_idx=req.slot)
-    engine.allocator.free(locs.cpu())
+    locs = torch.tensor(req.locs, dtype=torch.int64)
+    req.host_copy = engine.pool.get_cpu_copy(locs.to(engine.device), req_pool_idx=req.slot)
+    engine.allocator.free(locs)
     engine.req_to_token_pool.free(req.slot)
-    req.slot = None
+    req.slot, req.locs = None, []
 
 
 def try_resume(engine, req: Request) -> bool:
@@ -31,10 +31,12 @@ def try_resume(engine, req: Request) -> bool:
                                          req.seq_len)
     if locs is None:
         return False
+    req.locs = engine.allocator.last_handed_out.tolist()
     req.slot = engine.req_to_token_pool.alloc()
     engine.req_to_token_pool.write(req.slot, 0, locs)
-    engine.allocator.free_swa_out_of_window(locs.cpu(), req.seq_len,
-                                            engine.model.config.window_size)
+    window = engine.model.config.window_size
+    engine.allocator.free_swa_out_of_window(torch.tensor(req.locs), req.seq_len, window)
+    req.swa_freed_to = max(0, req.seq_len - window) // engine.page_size * engine.page_size
     engine.pool.load_cpu_copy(req.host_copy, locs, req_pool_idx=req.slot)
     req.host_copy = None
     return True

@@ -132,6 +132,7 @@ class PagedAllocator:
         self._page_free[0] = False
         # Locations handed out on each page: offsets 0.._page_fill[page]-1.
         self._page_fill = torch.zeros(self.num_pages + 1, dtype=torch.int64)
+        self.last_handed_out = torch.empty(0, dtype=torch.int64)
 
     def available_pages(self) -> int:
         return self._free_pages.numel()
@@ -174,7 +175,10 @@ class PagedAllocator:
                              "same next location")
 
     def hand_out(self, locs: torch.Tensor) -> torch.Tensor:
-        """Record host locations as handed out (each page's fill) and return them on device."""
+        """Record host locations as handed out (each page's fill) and return them on device.
+        `last_handed_out` keeps the host copy: a caller keeping host-side block tables reads it
+        instead of copying the result back from the device."""
+        self.last_handed_out = locs
         if locs.numel():
             self._page_fill.scatter_reduce_(0, locs // self.page_size,
                                             locs % self.page_size + 1, "amax")

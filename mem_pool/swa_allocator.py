@@ -61,6 +61,11 @@ class SWATokenToKVPoolAllocator:
     def get_kvcache(self):
         return self._kvcache
 
+    @property
+    def last_handed_out(self) -> torch.Tensor:
+        """Host int64 copy of the locations the latest allocation returned."""
+        return self.full_attn_allocator.last_handed_out
+
     # ---- the page maps and the device mapping -----------------------------------------------
 
     def _write_mapping(self, full_pages: torch.Tensor) -> None:

@@ -138,6 +138,28 @@ def test_swa_translation_quick_writes_the_documented_json(tmp_path):
                     "start_layer_minus_cache_us_per_step", "fused_marginal_us_per_step",
                     "fused_marginal_us_per_layer", "fused_marginal_launches_per_step"):
             assert key in d
+    hit = record["hit_cost"]
+    assert 0 < hit["start_layer_hit_us"] and 0 < hit["identity_cache_hit_us"]
+    # the fast path does less than the keyed lookup it skips (timing only a wide margin)
+    assert hit["identity_cache_hit_us"] < hit["identity_keyed_hit_us"]
+
+
+@pytest.mark.slow
+def test_engine_bookkeeping_per_step_does_not_grow_with_context(tmp_path):
+    """One location element per request and step for the allocation (last_loc and length);
+    nothing proportional to the context (the engine keeps host block tables and frees an SWA
+    page when it leaves the window, instead of rescanning the request each step)."""
+    out = tmp_path / "book.json"
+    proc = run_script("bench_engine_bookkeeping.py", "--quick", "--no-progress", "--out",
+                      str(out))
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads(out.read_text())
+    check_record(record, "bench_engine_bookkeeping")
+    assert [r["context_len"] for r in record["results"]] == [256, 1024]
+    for r in record["results"]:
+        assert r["steps"] == 22 and r["bookkeeping_us_p50"] > 0
+        assert r["elements_per_step"] == 2.0
+    assert record["ratios"]["elements"] == 1.0
 
 
 @pytest.mark.slow

@@ -216,7 +216,8 @@ def test_an_extend_that_continues_a_prefix_matches_one_extend(model):
         for n in chunks:
             out.append(extend(slot, start, n))
             start += n
-        engine._release([slot], [start])
+        engine.allocator.free(engine.req_to_token[slot, :start].long())
+        engine.req_to_token_pool.free(slot)
         return torch.cat(out)
 
     whole = run([270])
