@@ -6,7 +6,8 @@ backend (see `kv_layout`), or refused with `DSV4_REFUSE_NONFINITE_KV=1`. Every c
 value checks on, a slot >= 1 given twice in one call is refused (off: which row lands is
 undefined; the dummy slot 0 may always repeat).
 `numerics` (a `kv_layout.StoreNumerics`) makes a store write what another writer of the same
-layout writes; the default is this project's numerics.
+layout writes; the default is this project's numerics. Each op then runs as one dispatcher op,
+`torch.ops.dsv4.<name>` (see `set_kv_ops`), whichever backend implements it.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ from __future__ import annotations
 import torch
 
 from . import kv_layout as L
-from .backend import implementation, resolve
+from .backend import resolve
 from .checks import (check_cache, check_eps, check_finite, check_kv_cache, check_locations,
                      check_page_size, check_slot_values, check_tensor, value_checks_enabled)
 from .kv_layout import DEFAULT_NUMERICS, StoreNumerics
 from .platform import fp8_dialect
+from .set_kv_ops import numerics_args, ops
 from .set_kv_ref import translate_full_to_swa
 
 FLOATS = (torch.bfloat16, torch.float16, torch.float32)
@@ -81,10 +83,11 @@ def fused_k_norm_rope_store(kv, weight, eps, freqs_cis, positions, out_loc, cach
     _check_norm_rope_args(kv, weight, eps, freqs_cis, positions, cache, page_size)
     _check_q(q, kv.shape[0], kv.device)
     check_locations("out_loc", out_loc, kv.shape[0], cache.shape[0] * page_size, kv.device)
-    impl = implementation(resolve("fused_k_norm_rope_store", kv.device,
-                                  _hip_ok(numerics, cache, weight is not None)))
-    impl.fused_k_norm_rope_store(kv, weight, eps, freqs_cis, positions, out_loc, cache, page_size,
-                                 q, fp8_dialect(), **_numerics_kwarg(numerics))
+    backend = resolve("fused_k_norm_rope_store", kv.device,
+                      _hip_ok(numerics, cache, weight is not None))
+    ops.fused_k_norm_rope_store(kv, weight, float(eps), freqs_cis, positions, out_loc, cache,
+                                page_size, q, backend, fp8_dialect().name,
+                                *numerics_args(numerics))
 
 
 def fused_store_cache(rows, cache, out_loc, page_size,
@@ -95,14 +98,9 @@ def fused_store_cache(rows, cache, out_loc, page_size,
     check_kv_cache("cache", cache, page_size, rows.device)
     check_locations("out_loc", out_loc, rows.shape[0], cache.shape[0] * page_size, rows.device)
     check_finite("rows", rows)
-    impl = implementation(resolve("fused_store_cache", rows.device, _hip_ok(numerics, cache)))
-    impl.fused_store_cache(rows, cache, out_loc, page_size, fp8_dialect(),
-                           **_numerics_kwarg(numerics))
-
-
-def _numerics_kwarg(numerics: StoreNumerics) -> dict:
-    """The HIP C++ kernels take no numerics argument: they only run the default (see resolve)."""
-    return {} if numerics.is_default else {"numerics": numerics}
+    backend = resolve("fused_store_cache", rows.device, _hip_ok(numerics, cache))
+    ops.fused_store_cache(rows, cache, out_loc, page_size, backend, fp8_dialect().name,
+                          *numerics_args(numerics))
 
 
 def store_kv_pack(nope_fp8, rope_bf16, scales, cache, out_loc, page_size) -> None:
@@ -118,8 +116,8 @@ def store_kv_pack(nope_fp8, rope_bf16, scales, cache, out_loc, page_size) -> Non
                  last_contiguous=True)
     check_kv_cache("cache", cache, page_size, dev)
     check_locations("out_loc", out_loc, n, cache.shape[0] * page_size, dev)
-    impl = implementation(resolve("store_kv_pack", dev))
-    impl.store_kv_pack(nope_fp8, rope_bf16, scales, cache, out_loc, page_size)
+    ops.store_kv_pack(nope_fp8, rope_bf16, scales, cache, out_loc, page_size,
+                      resolve("store_kv_pack", dev))
 
 
 def indexer_store(k, cache, out_loc, page_size) -> None:
@@ -129,8 +127,8 @@ def indexer_store(k, cache, out_loc, page_size) -> None:
     check_cache("cache", cache, L.indexer_page_bytes(page_size), page_size, k.device)
     check_locations("out_loc", out_loc, k.shape[0], cache.shape[0] * page_size, k.device)
     check_finite("k", k)
-    impl = implementation(resolve("indexer_store", k.device))
-    impl.indexer_store(k, cache, out_loc, page_size, fp8_dialect())
+    ops.indexer_store(k, cache, out_loc, page_size, resolve("indexer_store", k.device),
+                      fp8_dialect().name)
 
 
 def fused_translate_norm_rope_store(kv, weight, eps, freqs_cis, positions, full_loc, full_to_swa,
@@ -149,7 +147,8 @@ def fused_translate_norm_rope_store(kv, weight, eps, freqs_cis, positions, full_
         check_slot_values("full_loc (through full_to_swa)", translate_full_to_swa(
             full_loc, full_to_swa), capacity, "full_to_swa maps a location of full_loc to SWA "
             f"slot {{hi}} but the cache has {capacity} slots")
-    impl = implementation(resolve("fused_translate_norm_rope_store", dev,
-                                  _hip_ok(DEFAULT_NUMERICS, cache, weight is not None)))
-    impl.fused_translate_norm_rope_store(kv, weight, eps, freqs_cis, positions, full_loc,
-                                         full_to_swa, cache, page_size, swa_loc_out, fp8_dialect())
+    backend = resolve("fused_translate_norm_rope_store", dev,
+                      _hip_ok(DEFAULT_NUMERICS, cache, weight is not None))
+    ops.fused_translate_norm_rope_store(kv, weight, float(eps), freqs_cis, positions, full_loc,
+                                        full_to_swa, cache, page_size, swa_loc_out, backend,
+                                        fp8_dialect().name)

@@ -160,7 +160,7 @@ class _AtenOpCounter(TorchDispatchMode):
         if name in HOST_SYNC_OPS:
             self.host_syncs += 1
         elif not func.is_view and name not in NO_KERNEL_OPS:
-            key = f"aten::{name}"
+            key = f"{func.namespace}::{name}"
             self.by_name[key] = self.by_name.get(key, 0) + 1
         return func(*args, **(kwargs or {}))
 

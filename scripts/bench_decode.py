@@ -30,7 +30,10 @@ Output JSON (beyond bench_common's record keys):
       / generate wall time), swa_translations_per_step and swa_cache_hits_per_step (the pool's
       counters; null when graphs were replayed: the gathers then run inside the graph, see
       bench_swa_translation for the captured count), graph_used (a graph runner replayed),
-      flags (as the worker saw them), itl_p50_vs_default (ratio; null without a default row)
+      flags (as the worker saw them), itl_p50_vs_default (ratio; null without a default row),
+      step_ops, step_syncs, forward_ops, forward_syncs: what one eager decode step (the second
+      of a 3-token generate) dispatches, as bench_common.count_launches counts it, for the
+      whole step and for the model forward inside it (null with graphs)
   "errors": [{"config", "concurrency", "context_len", "error"}] for cases or workers that failed
 
 Run: python scripts/bench_decode.py [--quick] [--out FILE.json]
@@ -143,6 +146,37 @@ class StepClock:
             delattr(owner, name)  # the instance attribute shadowed the class's method
 
 
+def count_decode_step(engine, prompts) -> dict:
+    """Ops and host syncs of the second decode step of a 3-token generate (eager), overall and
+    inside the model forward."""
+    real_step, real_forward = engine._decode_step, engine._decode_forward
+    counts, calls = {}, []
+
+    def forward(batch):
+        out = []
+        counts["forward"] = bc.count_launches(lambda: out.append(real_forward(batch)))
+        return out[0]
+
+    def step(*args):
+        calls.append(1)
+        if len(calls) != 2:
+            return real_step(*args)
+        engine._decode_forward = forward
+        try:
+            counts["step"] = bc.count_launches(lambda: real_step(*args))
+        finally:
+            engine._decode_forward = real_forward
+
+    engine._decode_step = step
+    try:
+        engine.generate(prompts, 3)
+    finally:
+        del engine._decode_step
+    return {"step_ops": counts["step"].launches, "step_syncs": counts["step"].host_syncs,
+            "forward_ops": counts["forward"].launches,
+            "forward_syncs": counts["forward"].host_syncs}
+
+
 def run_case(model, spec: dict, concurrency: int, context_len: int) -> dict:
     from dsv4.engine import Engine
 
@@ -180,6 +214,8 @@ def run_case(model, spec: dict, concurrency: int, context_len: int) -> dict:
         "swa_translations_per_step": None if graph_used else round(translations / steps, 3),
         "swa_cache_hits_per_step": None if graph_used else round(hits / steps, 3),
         "graph_used": graph_used,
+        **(dict.fromkeys(("step_ops", "step_syncs", "forward_ops", "forward_syncs"))
+           if graph_used else count_decode_step(engine, prompts)),
     }
 
 

@@ -24,7 +24,8 @@ SWA_ROW_KEYS = {"model", "n_layers", "batch", "mode", "method", "us_per_step_p50
 DECODE_ROW_KEYS = {"config", "env", "concurrency", "context_len", "new_tokens", "decode_steps",
                    "itl_ms_p50", "itl_ms_p90", "itl_ms_mean", "prefill_ms", "decode_tokens_per_s",
                    "e2e_tokens_per_s", "swa_translations_per_step", "swa_cache_hits_per_step",
-                   "graph_used", "flags", "itl_p50_vs_default"}
+                   "graph_used", "flags", "itl_p50_vs_default", "step_ops", "step_syncs",
+                   "forward_ops", "forward_syncs"}
 
 
 def run_script(name, *args, timeout=300):
@@ -188,6 +189,10 @@ def test_decode_quick_writes_the_documented_json(tmp_path):
         if not r["graph_used"]:
             cache_on = r["config"] != "DSV4_CACHE_SWA_TRANSLATION=0"
             assert r["swa_translations_per_step"] == (1 if cache_on else n_layers), r
+            assert 0 < r["forward_ops"] < r["step_ops"], r
+            assert 0 <= r["forward_syncs"] <= r["step_syncs"], r
+        else:
+            assert r["step_ops"] is None and r["forward_syncs"] is None
 
 
 # ---- summary, plots, sweep ------------------------------------------------------------------

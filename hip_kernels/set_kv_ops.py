@@ -1,0 +1,100 @@
+"""The set-KV family as dispatcher ops (`torch.ops.dsv4.*`), one per call whatever backend runs.
+
+What a GPU launches once is one op to the dispatcher too: graph capture (a real one, or the CPU
+emulation that records dispatcher ops) records it as one node, `torch.compile` sees one opaque
+mutating op (a fake implementation gives its output-free signature), and op counters count one.
+The ops take already checked arguments (see `set_kv`, the public entry points, which check and
+resolve the backend on the host first): the backend name, the fp8 dialect name and the
+`StoreNumerics` fields are plain arguments, so a recorded call replays the same kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .backend import implementation
+from .kv_layout import StoreNumerics
+from .platform import DIALECTS
+
+LIBRARY = "dsv4"
+NUMERICS_ARGS = "bool round_to_bf16, float? fp8_max, float amax_floor, str q_mode"
+SCHEMAS = {
+    "fused_k_norm_rope_store": (
+        "Tensor kv, Tensor? weight, float eps, Tensor freqs_cis, Tensor positions, "
+        "Tensor out_loc, Tensor(a!) cache, int page_size, Tensor(b!)? q, str backend, "
+        f"str dialect, {NUMERICS_ARGS}"),
+    "fused_store_cache": (
+        "Tensor rows, Tensor(a!) cache, Tensor out_loc, int page_size, str backend, "
+        f"str dialect, {NUMERICS_ARGS}"),
+    "store_kv_pack": (
+        "Tensor nope_fp8, Tensor rope_bf16, Tensor scales, Tensor(a!) cache, Tensor out_loc, "
+        "int page_size, str backend"),
+    "indexer_store": (
+        "Tensor k, Tensor(a!) cache, Tensor out_loc, int page_size, str backend, str dialect"),
+    "fused_translate_norm_rope_store": (
+        "Tensor kv, Tensor? weight, float eps, Tensor freqs_cis, Tensor positions, "
+        "Tensor full_loc, Tensor full_to_swa, Tensor(a!) cache, int page_size, "
+        "Tensor(b!)? swa_loc_out, str backend, str dialect"),
+}
+
+
+def numerics_args(numerics: StoreNumerics) -> tuple:
+    return numerics.round_to_bf16, numerics.fp8_max, numerics.amax_floor, numerics.q_mode
+
+
+def _numerics_kwarg(round_to_bf16, fp8_max, amax_floor, q_mode) -> dict:
+    """The HIP C++ kernels take no numerics argument: they only run the default."""
+    numerics = StoreNumerics(round_to_bf16, fp8_max, amax_floor, q_mode)
+    return {} if numerics.is_default else {"numerics": numerics}
+
+
+def _fused_k_norm_rope_store(kv, weight, eps, freqs_cis, positions, out_loc, cache, page_size,
+                             q, backend, dialect, *numerics):
+    implementation(backend).fused_k_norm_rope_store(
+        kv, weight, eps, freqs_cis, positions, out_loc, cache, page_size, q, DIALECTS[dialect],
+        **_numerics_kwarg(*numerics))
+
+
+def _fused_store_cache(rows, cache, out_loc, page_size, backend, dialect, *numerics):
+    implementation(backend).fused_store_cache(rows, cache, out_loc, page_size, DIALECTS[dialect],
+                                              **_numerics_kwarg(*numerics))
+
+
+def _store_kv_pack(nope_fp8, rope_bf16, scales, cache, out_loc, page_size, backend):
+    implementation(backend).store_kv_pack(nope_fp8, rope_bf16, scales, cache, out_loc, page_size)
+
+
+def _indexer_store(k, cache, out_loc, page_size, backend, dialect):
+    implementation(backend).indexer_store(k, cache, out_loc, page_size, DIALECTS[dialect])
+
+
+def _fused_translate_norm_rope_store(kv, weight, eps, freqs_cis, positions, full_loc,
+                                     full_to_swa, cache, page_size, swa_loc_out, backend,
+                                     dialect):
+    implementation(backend).fused_translate_norm_rope_store(
+        kv, weight, eps, freqs_cis, positions, full_loc, full_to_swa, cache, page_size,
+        swa_loc_out, DIALECTS[dialect])
+
+
+IMPLS = {"fused_k_norm_rope_store": _fused_k_norm_rope_store,
+         "fused_store_cache": _fused_store_cache, "store_kv_pack": _store_kv_pack,
+         "indexer_store": _indexer_store,
+         "fused_translate_norm_rope_store": _fused_translate_norm_rope_store}
+
+
+def _no_output(*args, **kwargs) -> None:
+    """The fake (meta) implementation: the ops only write their mutated arguments."""
+    return None
+
+
+def _register() -> torch.library.Library:
+    lib = torch.library.Library(LIBRARY, "DEF")
+    for name, args in SCHEMAS.items():
+        lib.define(f"{name}({args}) -> ()")
+        lib.impl(name, IMPLS[name], "CompositeExplicitAutograd")
+        lib.impl(name, _no_output, "Meta")
+    return lib
+
+
+_LIB = _register()
+ops = getattr(torch.ops, LIBRARY)
