@@ -1,0 +1,61 @@
+"""Each set-KV call is one dispatcher op, torch.ops.dsv4.<name>, whatever backend runs it: what
+a GPU launches once is one node for graph capture, torch.compile and the op counters."""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import hip_kernels
+from hip_kernels.set_kv_ops import SCHEMAS, ops
+from hip_kernels import set_kv_ref as R
+from hip_kernels.platform import fp8_dialect
+from kv_inputs import clone_args, norm_rope_args, same_bytes
+
+try:
+    from triton_interp_shim import interpreter_shim  # noqa: F401 (autouse fixture)
+except ImportError:                                   # no triton: its case is skipped
+    pass
+
+
+class TopLevelOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(f"{func.namespace}::{func.overloadpacket.__name__}")
+        return func(*args, **(kwargs or {}))
+
+
+def test_every_set_kv_op_is_registered_with_its_mutated_arguments():
+    for name in ("fused_k_norm_rope_store", "fused_store_cache", "store_kv_pack",
+                 "indexer_store", "fused_translate_norm_rope_store"):
+        schema = getattr(ops, name).default._schema
+        written = [a.name for a in schema.arguments
+                   if a.alias_info is not None and a.alias_info.is_write]
+        assert "cache" in written and len(schema.returns) == 0, name
+    assert set(SCHEMAS) == {"fused_k_norm_rope_store", "fused_store_cache", "store_kv_pack",
+                            "indexer_store", "fused_translate_norm_rope_store"}
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_store_is_one_dispatcher_op_and_writes_the_reference_bytes(flag_env, backend):
+    if backend == "triton":
+        pytest.importorskip("triton")
+    flag_env(DSV4_KERNEL_BACKEND=backend, DSV4_KERNEL_VALUE_CHECKS="0")
+    args = norm_rope_args(seed=4, n=5, page_size=4, pages=3, heads=2)
+    want = clone_args(args)
+    R.fused_k_norm_rope_store(**want, dialect=fp8_dialect())
+    mode = TopLevelOps()
+    with mode:
+        hip_kernels.fused_k_norm_rope_store(**args)
+    assert mode.names == ["dsv4::fused_k_norm_rope_store"]
+    assert same_bytes(args["cache"], want["cache"]) and same_bytes(args["q"], want["q"])
+
+
+def test_meta_tensors_trace_without_running_a_kernel():
+    args = {k: v.to("meta") if isinstance(v, torch.Tensor) else v
+            for k, v in norm_rope_args(seed=1, n=3, page_size=4, pages=2).items()}
+    ops.fused_k_norm_rope_store(args["kv"], args["weight"], 1e-6, args["freqs_cis"],
+                                args["positions"], args["out_loc"], args["cache"], 4, None,
+                                "torch", "ocp", True, None, 1e-4, "norm_rope")
