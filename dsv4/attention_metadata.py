@@ -110,7 +110,9 @@ def _compress_plan(batch, ratio, ring, pos, req, seq_len, first_new, full_loc, n
     state_write = torch.where(keep, state_ring_rows(req, pos, ring), -1)
 
     visible = (pos + 1) // ratio
-    if n_rows is None:
+    if n_rows is None and batch.max_seq_len is not None:
+        n_rows = batch.max_seq_len // ratio if n else 0             # the largest visible count
+    elif n_rows is None:
         n_rows = int(visible.max()) if n else 0
     c = torch.arange(n_rows, device=dev)
     row_valid = c[None] < visible[:, None]

@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from hip_kernels.checks import trusted_locations
 from mem_pool.dsv4_pool import create_dsv4_kv_cache
 from mem_pool.kv_cache_spec import KVCacheSpec, footprint
 
@@ -117,7 +118,10 @@ class Engine:
         return self.req_to_token_pool.req_to_token
 
     def forward(self, batch: ForwardBatch, all_logits: bool = False) -> torch.Tensor:
-        return self.model(batch, self.pool, self.req_to_token, all_logits=all_logits)
+        """The model on a batch this engine built: its locations come from the allocator, which
+        checked them when it handed them out, so the forward skips the per-op range checks."""
+        with trusted_locations():
+            return self.model(batch, self.pool, self.req_to_token, all_logits=all_logits)
 
     @torch.no_grad()
     def generate(self, prompt_token_ids: list[list[int]], max_new_tokens: int,
@@ -264,7 +268,8 @@ class Engine:
                                                        device=dev),
             positions=torch.cat([torch.arange(n) for n in lens.tolist()]).to(dev),
             out_cache_loc=locs, req_pool_indices=torch.tensor(slots, device=dev),
-            seq_lens=lens.to(dev), extend_seq_lens=lens.to(dev))
+            seq_lens=lens.to(dev), extend_seq_lens=lens.to(dev),
+            max_seq_len=max(len(r.prompt) for r in reqs))
         running.extend(reqs)
         self._finish_step(reqs, running, self.forward(batch), return_logits)
         if self.stats.first_token_s is None:
@@ -286,7 +291,7 @@ class Engine:
                              input_ids=torch.tensor([r.next_input for r in running], device=dev),
                              positions=lens - 1, out_cache_loc=locs,
                              req_pool_indices=torch.tensor([r.slot for r in running], device=dev),
-                             seq_lens=lens)
+                             seq_lens=lens, max_seq_len=max(r.seq_len for r in running))
         logits = self._decode_forward(batch)
         self.stats.decode_tokens += len(running)
         self._finish_step(list(running), running, logits, return_logits)

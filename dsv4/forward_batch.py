@@ -27,6 +27,8 @@ class ForwardBatch:
     req_pool_indices: torch.Tensor  # [B] request slots
     seq_lens: torch.Tensor          # [B] request lengths including the new tokens
     extend_seq_lens: torch.Tensor | None = None  # [B] new tokens per request (extend only)
+    max_seq_len: int | None = None  # the largest of seq_lens as a host int, when the caller
+    #                                 knows it: metadata sizes are then set without a host read
 
     @property
     def batch_size(self) -> int:

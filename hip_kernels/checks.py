@@ -3,6 +3,10 @@ expected, and happens before any cache byte is written."""
 
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
 
 from . import envs
@@ -70,10 +74,29 @@ def check_kv_cache(name: str, cache, page_size: int, device) -> None:
                      f"bytes apart; got strides {cache.stride()}")
 
 
+_trust = threading.local()
+
+
+@contextmanager
+def trusted_locations() -> Iterator[None]:
+    """Inside, the caller vouches that every location and position was range-checked where it
+    was handed out (an allocator that checks, an engine that builds positions from lengths): the
+    per-op range checks, one host read each, are skipped. Kernels still mask slots past the
+    cache, so a wrong location can never write outside it."""
+    depth = getattr(_trust, "depth", 0)
+    _trust.depth = depth + 1
+    try:
+        yield
+    finally:
+        _trust.depth = depth
+
+
 def value_checks_enabled() -> bool:
-    """Range checks read tensor values on the host: skipped inside graph capture, and when
-    DSV4_KERNEL_VALUE_CHECKS=0 (eager decode on a GPU then avoids one sync per op)."""
-    return not is_capturing() and envs.VALUE_CHECKS.get()
+    """Range checks read tensor values on the host: skipped inside graph capture, inside
+    `trusted_locations()`, and when DSV4_KERNEL_VALUE_CHECKS=0 (eager decode on a GPU then
+    avoids one sync per op)."""
+    return (not getattr(_trust, "depth", 0) and not is_capturing()
+            and envs.VALUE_CHECKS.get())
 
 
 def check_finite(name: str, t: torch.Tensor) -> None:

@@ -15,6 +15,7 @@ import torch
 from hip_kernels import (fused_k_norm_rope_store, fused_store_cache, indexer_page_bytes,
                          page_bytes, store_kv_pack)
 from hip_kernels.capture import is_capturing
+from hip_kernels.checks import value_checks_enabled
 
 from . import host_copy
 from .kv_cache_spec import ATTN_STATE_WIDTH, INDEXER_STATE_WIDTH, STATE_RING, KVCacheSpec
@@ -193,7 +194,7 @@ class DeepSeekV4TokenToKVPool:
 
     def _translate(self, loc: torch.Tensor) -> torch.Tensor:
         mapping = self.full_to_swa_index_mapping
-        if loc.numel() and not is_capturing():
+        if loc.numel() and value_checks_enabled():
             lo, hi = (int(v) for v in torch.stack(torch.aminmax(loc)).tolist())
             if lo < -1 or hi >= mapping.numel() - 1:
                 raise IndexError(f"loc holds {lo if lo < -1 else hi}; valid full-pool locations "

@@ -76,3 +76,22 @@ def test_a_page_size_that_is_not_a_positive_int_is_refused(page_size):
         hk.indexer_store(torch.zeros(2, 128), torch.zeros(2, 264, dtype=torch.uint8),
                          torch.tensor([0, 1]), page_size)
     assert not cache.any()
+
+
+def test_trusted_locations_skip_the_host_reads_but_the_kernel_still_masks(flag_env):
+    """Inside trusted_locations() the caller vouches for the ranges: no host read; a wrong
+    location still cannot write outside the cache (the store masks it)."""
+    from hip_kernels.checks import trusted_locations, value_checks_enabled
+
+    flag_env(DSV4_KERNEL_BACKEND="torch")
+    kv, cache = _args()
+    assert value_checks_enabled()
+    with trusted_locations():
+        with trusted_locations():
+            assert not value_checks_enabled()
+        assert not value_checks_enabled()
+        hk.fused_store_cache(kv, cache, torch.tensor([1, 4]), P)    # slot 4: past the cache
+    assert value_checks_enabled()
+    assert cache[0, :hk.page_bytes(P) // 2].any()                  # slot 1 was written
+    with pytest.raises(IndexError, match="out_loc holds location 4"):
+        hk.fused_store_cache(kv, cache, torch.tensor([1, 4]), P)

@@ -129,3 +129,23 @@ def test_mistakes_of_the_call_itself_raise(model):
     for name in ("max_batch", "page_size"):
         with pytest.raises(ValueError, match=f"{name} must be an int >= 1, got 0"):
             Engine(model, **{"max_batch": 2, "page_size": PAGE, name: 0}, graph=False)
+
+
+def test_the_engine_forward_reads_no_location_back_to_the_host(model, monkeypatch):
+    """Locations come from the allocator, which checked them when it handed them out: the
+    model forward does no per-store range read (a host sync each on a GPU)."""
+    import hip_kernels.checks as checks
+
+    def no_read(*args, **kwargs):
+        raise AssertionError("a range check read values inside the engine's forward")
+    engine = Engine(model, max_batch=2, max_context_len=MAX_LEN, page_size=PAGE, graph=False)
+    forward = engine.forward
+
+    def forward_without_reads(*args, **kwargs):
+        with monkeypatch.context() as m:
+            m.setattr(checks, "check_slot_values", no_read)
+            m.setattr(torch, "aminmax", no_read)      # the position and translation range reads
+            return forward(*args, **kwargs)
+    engine.forward = forward_without_reads
+    out = engine.generate(prompts([20, 9]), 4)
+    assert out.errors == [None, None] and all(len(t) == 4 for t in out.tokens)
