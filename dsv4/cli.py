@@ -33,8 +33,8 @@ def _cmd_env(args: argparse.Namespace) -> int:
 def _cmd_generate(args: argparse.Namespace) -> int:
     from . import cli_generate
 
-    for name in ("batch", "prompt_len", "max_new_tokens"):
-        if getattr(args, name) < 1:
+    for name in ("batch", "prompt_len", "max_new_tokens", "repeat"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     return cli_generate.run(args)
 
@@ -65,8 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     one.add_argument("--prompt-ids", help="one prompt as comma-separated token ids: 1,2,3")
     one.add_argument("--prompt-file", help="one prompt per line, token ids or text")
     inp.add_argument("--batch", type=int, default=4, help="random prompts (default 4)")
-    inp.add_argument("--prompt-len", type=int, default=32,
-                     help="ids per random prompt (default 32)")
+    inp.add_argument("--prompt-len", type=int, default=None,
+                     help="ids per random prompt (default 32; 300 with --prefix-cache, so that "
+                     "whole 256-token pages exist to reuse)")
     out = gen.add_argument_group("generation")
     out.add_argument("--max-new-tokens", type=int, default=16)
     out.add_argument("--temperature", type=float, default=0.0,
@@ -85,6 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--threads", type=int, default=0,
                      help="torch CPU threads (default: 1 on a CPU, where the tiny model's ops "
                      "are too small to share)")
+    run.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=None,
+                     help="reuse the KV of cached prompt prefixes (default: DSV4_PREFIX_CACHE)")
+    run.add_argument("--prefix-cache-dir", default=None,
+                     help="file tier of the prefix cache (default: DSV4_PREFIX_CACHE_DIR, "
+                     "empty = host memory only)")
+    run.add_argument("--repeat", type=int, default=1,
+                     help="run the prompt set this many times in one engine (default 1); the "
+                     "JSON report lists each pass under 'passes'")
     run.add_argument("--json", action="store_true",
                      help="also print the report as one JSON object on the last line")
     run.add_argument("--quiet", action="store_true", help="no progress bars")

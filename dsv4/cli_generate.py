@@ -63,13 +63,20 @@ def prompts_from_args(args, tokenizer, vocab_size: int) -> list[list[int]]:
                    for i, line in enumerate(lines)]
     else:
         g = torch.Generator().manual_seed(args.seed)
-        return torch.randint(2, vocab_size, (args.batch, args.prompt_len), generator=g).tolist()
+        return torch.randint(2, vocab_size, (args.batch, random_prompt_len(args)),
+                             generator=g).tolist()
     for p in prompts:
         bad = [t for t in p if t >= vocab_size]
         if not p or bad:
             raise UsageError(f"a prompt must hold 1 or more ids below the vocabulary size "
                              f"{vocab_size}, got {len(p)} ids, out of range: {bad[:5]}")
     return prompts
+
+
+def random_prompt_len(args) -> int:
+    if args.prompt_len is not None:
+        return args.prompt_len
+    return 300 if args.prefix_cache else 32
 
 
 def _percentile(sorted_values: list[float], q: float) -> float:
@@ -104,6 +111,13 @@ def build_report(engine, wall_s: float, tokens: list[list[int]],
     }
 
 
+def pass_report(i: int, engine, tokens: list[list[int]]) -> dict:
+    s = engine.stats
+    return {"pass": i, "prefix_hit_rate": round(s.prefix_hit_rate, 4),
+            "prefix_hit_tokens": s.prefix_hit_tokens, "prompt_tokens": s.prompt_tokens,
+            "prefill_ms": round(sum(s.prefill_s) * 1e3, 3), "tokens": tokens}
+
+
 def print_report(r: dict, n_prompts: int, tokenizer) -> None:
     na = "n/a (graph replay: the gather runs inside the graph; counters move only at capture)"
     graph = f"yes ({r['graph_backend']})" if r["graph"] else "no (eager)"
@@ -134,6 +148,12 @@ def print_report(r: dict, n_prompts: int, tokenizer) -> None:
     print(f"pool usage: peak {pool['full_tokens_peak']}/{pool['full_tokens']} full tokens "
           f"({pool['peak_fraction']:.1%}), peak {pool['swa_tokens_peak']}/{pool['swa_tokens']} "
           f"SWA tokens; retractions: {r['retractions']}")
+    for p in r["passes"]:
+        same = "same tokens as pass 0" if p["tokens"] == r["passes"][0]["tokens"] else (
+            "TOKENS DIFFER from pass 0")
+        print(f"pass {p['pass']}: prefill {p['prefill_ms']} ms, prefix cache hit "
+              f"{p['prefix_hit_tokens']}/{p['prompt_tokens']} prompt tokens "
+              f"({p['prefix_hit_rate']:.1%}); {same}")
 
 
 def _check_memory(config, batch: int, context_len: int, device, force: bool) -> None:
@@ -166,6 +186,23 @@ def _model(args, config, context_len: int, device, on_tensor):
     return init_random_weights(model, seed=args.seed)
 
 
+def _prefix_cache(args, config, context_len: int, batch: int):
+    """The engine's prefix_cache argument: None follows DSV4_PREFIX_CACHE."""
+    if args.prefix_cache is None and args.prefix_cache_dir is None:
+        return None
+    if args.prefix_cache is False:
+        return False
+    from mem_pool.prefix_cache import PrefixCache
+
+    from . import envs
+    from .engine import PAGE_SIZE as page_size
+
+    pages = batch * -(-context_len // page_size)
+    file_dir = args.prefix_cache_dir or envs.PREFIX_CACHE_DIR.get() or None
+    return PrefixCache(page_size, config.window_size,
+                       envs.PREFIX_CACHE_HOST_PAGES.get() or 4 * pages, file_dir=file_dir)
+
+
 def run(args) -> int:
     from tqdm import tqdm
 
@@ -194,16 +231,26 @@ def run(args) -> int:
                          f"covers {model.max_seq_len}")
     eos = None if args.ignore_eos else model.config.eos_token_id
     engine = Engine(model, max_batch=len(prompts), max_context_len=context_len,
-                    eos_token_id=eos, graph=args.graph)
+                    eos_token_id=eos, graph=args.graph,
+                    prefix_cache=_prefix_cache(args, model.config, context_len, len(prompts)))
+    cache, engine.prefix_cache = engine.prefix_cache, None   # the warm-up caches nothing
     with bar("warm-up and graph capture", total=1) as b:
         engine.generate(prompts, min(2, args.max_new_tokens), sampling=sampling)
         b.update()
-    engine.stats = EngineStats()
-    with bar("decode", total=args.max_new_tokens - 1) as b:
-        start = time.perf_counter()
-        out = engine.generate(prompts, args.max_new_tokens, on_step=b.update, sampling=sampling)
-        wall = time.perf_counter() - start
+    engine.prefix_cache = cache
+    passes = []
+    for i in range(args.repeat):
+        engine.stats = EngineStats()
+        with bar(f"pass {i}" if args.repeat > 1 else "decode",
+                 total=args.max_new_tokens - 1) as b:
+            start = time.perf_counter()
+            out = engine.generate(prompts, args.max_new_tokens, on_step=b.update,
+                                  sampling=sampling)
+            wall = time.perf_counter() - start
+        passes.append(pass_report(i, engine, out.tokens))
     report = build_report(engine, wall, out.tokens, out.errors)
+    report["prefix_cache"] = engine.prefix_cache is not None
+    report["passes"] = passes
     print_report(report, len(prompts), tokenizer)
     if args.json:
         print(json.dumps(report))

@@ -8,7 +8,9 @@ step, then decodes all running requests together, one token per step (greedy, sa
 ``eos_token_id``; its pages are freed at once and it leaves the batch. When a decode step finds the pool exhausted, the latest
 admitted request is retracted to the host (``retraction.py``) and resumed when pages free up.
 SWA pages that leave the window are released after every step. Decode steps replay captured
-graphs (``graph_decode.py``) when DSV4_GRAPH is on.
+graphs (``graph_decode.py``) when DSV4_GRAPH is on. With a prefix cache (``prefix_cache=`` or
+DSV4_PREFIX_CACHE) a prompt's cached prefix is loaded instead of prefilled
+(``prefix_reuse.py``).
 """
 
 from __future__ import annotations
@@ -28,11 +30,15 @@ from mem_pool.kv_cache_spec import KVCacheSpec, footprint
 from . import envs
 from .forward_batch import ForwardBatch, ForwardMode, ReqToTokenPool
 from .graph_decode import decode_inputs, make_decode_graph_runner
+from .prefix_reuse import (boundary_capture, insert_prompt_pages, load_prefix, match_prompt,
+                           prefix_cache_from_env)
 from .request import Request
 from .retraction import retract, try_resume
 from .sampling import GREEDY, SamplingParams, sample
 
 logger = logging.getLogger(__name__)
+
+PAGE_SIZE = 256   # tokens per KV page unless the caller says otherwise
 
 
 @dataclass
@@ -55,6 +61,13 @@ class EngineStats:
     resumptions: int = 0
     peak_full_tokens: int = 0            # most full-pool token slots in use at once
     peak_swa_tokens: int = 0
+    prefill_s: list[float] = field(default_factory=list)  # wall time of each prefill step
+    prompt_tokens: int = 0               # prompt tokens admitted
+    prefix_hit_tokens: int = 0           # of those, loaded from the prefix cache
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     @property
     def eager_steps(self) -> int:
@@ -63,9 +76,11 @@ class EngineStats:
 
 class Engine:
     def __init__(self, model, max_total_tokens: int | None = None, swa_tokens: int | None = None,
-                 page_size: int = 256, max_batch: int = 8, max_context_len: int | None = None,
+                 page_size: int = PAGE_SIZE, max_batch: int = 8, max_context_len: int | None = None,
                  kv_bytes: int | None = None, eos_token_id: int | None = None,
-                 graph: bool | None = None):
+                 graph: bool | None = None, prefix_cache=None):
+        """prefix_cache: a ``mem_pool.prefix_cache.PrefixCache`` of this page size and window,
+        False for none, or None to follow DSV4_PREFIX_CACHE (off by default)."""
         for name, value in (("max_batch", max_batch), ("page_size", page_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -92,6 +107,15 @@ class Engine:
         self.graph_runner = make_decode_graph_runner(
             model, self.pool, self.req_to_token, max_batch, self.max_context_len,
             self.device) if use_graph else None
+        if prefix_cache is None:
+            prefix_cache = prefix_cache_from_env(page_size, cfg.window_size,
+                                                 max_total_tokens // page_size)
+        elif prefix_cache is not False and (prefix_cache.page_size, prefix_cache.window) != (
+                page_size, cfg.window_size):
+            raise ValueError(f"prefix_cache holds pages of {prefix_cache.page_size} tokens for "
+                             f"a window of {prefix_cache.window}; this engine has page_size="
+                             f"{page_size} and window {cfg.window_size}")
+        self.prefix_cache = prefix_cache or None
 
     def _pool_sizes(self, spec, page_size, max_total_tokens, swa_tokens, kv_bytes):
         """(full tokens, SWA tokens): given, from a byte budget, or enough for max_batch requests
@@ -248,6 +272,10 @@ class Engine:
     # ---- steps ------------------------------------------------------------------------------
 
     def _prefill(self, reqs: list[Request], running: list[Request], return_logits) -> None:
+        began = time.perf_counter()
+        cache = self.prefix_cache
+        hits = [match_prompt(cache, r) for r in reqs] if cache else [None] * len(reqs)
+        starts = [h.tokens if h else 0 for h in hits]
         lens = torch.tensor([len(r.prompt) for r in reqs])
         locs = self.allocator.alloc_extend(torch.zeros_like(lens), lens, torch.full_like(lens, -1),
                                            int(lens.sum()))
@@ -255,23 +283,38 @@ class Engine:
             raise RuntimeError(f"KV pool exhausted: prefill of {int(lens.sum())} tokens")
         host_locs = self.allocator.last_handed_out.tolist()
         slots = self._admit(len(reqs))
-        start = 0
-        for req, slot in zip(reqs, slots):
+        start, new_locs = 0, []
+        for req, slot, hit, k in zip(reqs, slots, hits, starts):
             req.slot, req.seq_len = slot, len(req.prompt)
-            self.req_to_token_pool.write(slot, 0, locs[start:start + req.seq_len])
+            req_locs = locs[start:start + req.seq_len]
+            self.req_to_token_pool.write(slot, 0, req_locs)
             req.locs, req.swa_freed_to = host_locs[start:start + req.seq_len], 0
+            if k:
+                load_prefix(self, req, hit, req_locs)
+            new_locs.append(req_locs[k:])
             start += req.seq_len
         self._note_usage()
+        self.stats.prompt_tokens += int(lens.sum())
+        self.stats.prefix_hit_tokens += sum(starts)
         dev = self.device
+        new = lens - torch.tensor(starts)
         batch = ForwardBatch(
-            ForwardMode.EXTEND, input_ids=torch.tensor([t for r in reqs for t in r.prompt],
-                                                       device=dev),
-            positions=torch.cat([torch.arange(n) for n in lens.tolist()]).to(dev),
-            out_cache_loc=locs, req_pool_indices=torch.tensor(slots, device=dev),
-            seq_lens=lens.to(dev), extend_seq_lens=lens.to(dev),
+            ForwardMode.EXTEND, input_ids=torch.tensor(
+                [t for r, k in zip(reqs, starts) for t in r.prompt[k:]], device=dev),
+            positions=torch.cat([torch.arange(k, n) for k, n in zip(starts, lens.tolist())]
+                                ).to(dev),
+            out_cache_loc=torch.cat(new_locs), req_pool_indices=torch.tensor(slots, device=dev),
+            seq_lens=lens.to(dev), extend_seq_lens=new.to(dev),
             max_seq_len=max(len(r.prompt) for r in reqs))
+        capture = boundary_capture(reqs, starts, self.page_size, dev) if cache else None
+        if capture is not None:
+            batch.capture_state_rows = capture.rows
+        logits = self.forward(batch)
+        if capture is not None:
+            insert_prompt_pages(self, cache, capture, batch.captured_states)
         running.extend(reqs)
-        self._finish_step(reqs, running, self.forward(batch), return_logits)
+        self._finish_step(reqs, running, logits, return_logits)
+        self.stats.prefill_s.append(time.perf_counter() - began)
         if self.stats.first_token_s is None:
             self.stats.first_token_s = time.perf_counter() - self._started
 

@@ -1,6 +1,6 @@
 """Environment flags of the model and runtime layer."""
 
-from hip_kernels.flags import bool_flag, choice_flag
+from hip_kernels.flags import bool_flag, choice_flag, int_flag, str_flag
 
 PKG = "dsv4"
 
@@ -22,3 +22,13 @@ VLLM_PLUGIN = bool_flag(
 CHECK_WEIGHTS = bool_flag(
     "DSV4_CHECK_WEIGHTS", True,
     "scan loaded weights for NaN/inf and tid2eid for experts out of range (0 skips the scan)", PKG)
+PREFIX_CACHE = bool_flag(
+    "DSV4_PREFIX_CACHE", False,
+    "reuse the KV of cached prompt prefixes (host tier, optional file tier; SWA all or nothing)",
+    PKG)
+PREFIX_CACHE_HOST_PAGES = int_flag(
+    "DSV4_PREFIX_CACHE_HOST_PAGES", 0,
+    "host tier capacity of the prefix cache in pages (0 = as many pages as the device pool)", PKG)
+PREFIX_CACHE_DIR = str_flag(
+    "DSV4_PREFIX_CACHE_DIR", "",
+    "directory of the prefix cache's file tier (empty = no file tier)", PKG)

@@ -29,6 +29,11 @@ class ForwardBatch:
     extend_seq_lens: torch.Tensor | None = None  # [B] new tokens per request (extend only)
     max_seq_len: int | None = None  # the largest of seq_lens as a host int, when the caller
     #                                 knows it: metadata sizes are then set without a host read
+    # Extend only: batch token indices whose ratio-4 compressor (kv, score) rows the forward
+    # hands back in ``captured_states`` (table name -> layer -> rows [K, width]), so a caller can
+    # rebuild a request's state ring at a page boundary inside the step (the prefix cache).
+    capture_state_rows: torch.Tensor | None = None
+    captured_states: dict[str, dict[int, torch.Tensor]] | None = None
 
     @property
     def batch_size(self) -> int:

@@ -92,12 +92,24 @@ class DeepseekV4DecoderLayer(nn.Module):
 
     def _run_compressor(self, y, batch, meta, caches, freqs_cis):
         plan = meta.plans[self.compress_ratio]
-        run_compressor(self.attn.compressor, y, batch.positions, plan, caches.state,
-                       store_compressed(caches), freqs_cis)
+        new = run_compressor(self.attn.compressor, y, batch.positions, plan, caches.state,
+                             store_compressed(caches), freqs_cis)
+        if self.compress_ratio == 4:
+            self._capture_state(batch, "compressor_state", new)
 
     def _run_indexer_compressor(self, y, batch, meta, caches, freqs_cis):
-        run_compressor(self.attn.indexer.compressor, y, batch.positions, meta.plans[4],
-                       caches.index_state, store_index_keys(caches), freqs_cis)
+        new = run_compressor(self.attn.indexer.compressor, y, batch.positions, meta.plans[4],
+                             caches.index_state, store_index_keys(caches), freqs_cis)
+        self._capture_state(batch, "indexer_compressor_state", new)
+
+    def _capture_state(self, batch: ForwardBatch, table: str, new: torch.Tensor) -> None:
+        """Hand back the ratio-4 ring rows the caller asked for (batch.capture_state_rows)."""
+        if batch.capture_state_rows is None:
+            return
+        if batch.captured_states is None:
+            batch.captured_states = {}
+        batch.captured_states.setdefault(table, {})[self.layer_id] = (
+            new[batch.capture_state_rows].clone())
 
     def _forward_prepare(self, y, batch, meta, token_to_kv_pool, caches, freqs_cis):
         """Everything on the current stream: Q, window KV store, compressors. (q, qr)."""

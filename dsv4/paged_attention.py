@@ -53,10 +53,11 @@ def _rows(state: torch.Tensor) -> torch.Tensor:
 
 
 def run_compressor(comp: Compressor, x: torch.Tensor, positions: torch.Tensor, plan: CompressPlan,
-                   state: torch.Tensor, store, freqs_cis: torch.Tensor) -> None:
+                   state: torch.Tensor, store, freqs_cis: torch.Tensor) -> torch.Tensor:
     """One step of a compressor: pool every candidate's window (rows from the state ring or from
     this step), emit the boundary rows through ``store(rows, loc)`` (negative loc = skip), then
-    keep this step's (kv, score) rows in the ring. state: fp32 [ring rows, 2 * width]."""
+    keep this step's (kv, score) rows in the ring. state: fp32 [ring rows, 2 * width]. Returns
+    this step's (kv, score) rows [N, 2 * width], the rows a ring would keep."""
     kv, score = comp.project(x, positions)
     width = kv.shape[1]
     new = torch.cat([kv, score], 1)
@@ -67,6 +68,7 @@ def run_compressor(comp: Compressor, x: torch.Tensor, positions: torch.Tensor, p
     store(out.contiguous(), plan.emit_loc)
     keep = plan.state_write >= 0
     state.index_copy_(0, torch.where(keep, plan.state_write, state.shape[0] - 1), new)
+    return new
 
 
 def read_kv(cache: torch.Tensor, loc: torch.Tensor, page_size: int) -> torch.Tensor:

@@ -133,3 +133,9 @@ def choice_flag(name: str, choices: tuple[str, ...], default: str, help: str, pa
     return declare(name, "choice", default, help, package, choices)
 
 
+def int_flag(name: str, default: int, help: str, package: str) -> Flag:
+    return declare(name, "int", default, help, package)
+
+
+def str_flag(name: str, default: str, help: str, package: str) -> Flag:
+    return declare(name, "str", default, help, package)

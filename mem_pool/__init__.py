@@ -1,7 +1,7 @@
 """KV memory for DeepSeek-V4: paged allocators, the SWA and compressed pools, the full->SWA
-slot mapping and its identity-keyed per-step translation cache, host copies, and the building
-blocks of a prefix KV cache (page keys, page records, host and file tiers, the SWA commit rule
-and its tensor-parallel agreement)."""
+slot mapping and its identity-keyed per-step translation cache, host copies, and a prefix KV
+cache (`PrefixCache`) with its building blocks (page keys, page records, host and file tiers,
+the SWA commit rule and its tensor-parallel agreement)."""
 
 import logging
 
@@ -18,6 +18,7 @@ from .page_record import (PageRecord, boundary_state, join_page_records, record_
                           record_page_size, record_to_bytes, split_host_copy,
                           with_boundary_state)
 from .paged_allocator import PagedAllocator
+from .prefix_cache import PrefixCache, PrefixCacheStats, PrefixHit, complete_states
 from .swa_allocator import SWATokenToKVPoolAllocator
 from .swa_loc_cache import StaleSwaLocError, SwaLocCache, SwaLocStats
 from .swa_prefetch import (CommitPlan, PageRelease, commit_plan, plan_prefix_commit,
@@ -33,7 +34,8 @@ __all__ = [
     "DeepSeekV4TokenToKVPool", "create_dsv4_kv_cache",
     "SwaLocCache", "SwaLocStats", "StaleSwaLocError", "KVHostCopy",
     "swa_tail_len", "prealloc_kv_lens", "PreallocLens", "PreallocBudget",
-    # prefix KV cache building blocks
+    # prefix KV cache and its building blocks
+    "PrefixCache", "PrefixCacheStats", "PrefixHit", "complete_states",
     "page_keys", "PageRecord", "split_host_copy", "join_page_records", "boundary_state",
     "with_boundary_state", "record_page_size", "record_to_bytes", "record_from_bytes",
     "HostPageStore", "FilePageStore", "PageFileError",

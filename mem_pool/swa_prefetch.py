@@ -8,8 +8,9 @@ that window has its SWA rows; SWA pages before the window are never loaded. When
 qualifies nothing is committed, and no SWA page is fetched.
 
 A prefetch that comes back short (some planned pages did not arrive: slow, corrupt, evicted)
-is planned again on what arrived; every arrived page the new plan does not use is released
-whole, so a partial window is never committed.
+is planned again on what arrived (possibly an earlier commit point whose window did arrive);
+every arrived page the new plan does not use is released whole, so a partial window is never
+committed.
 """
 
 from __future__ import annotations
@@ -111,9 +112,11 @@ def _arrived(name: str, pages: Iterable[int], planned: tuple[int, ...]) -> set[i
 def release_short_prefetch(plan: CommitPlan, arrived_full: Iterable[int],
                            arrived_swa: Iterable[int]) -> tuple[CommitPlan, PageRelease]:
     """Plan again on the pages that arrived (indices within the prefix); returns the new plan
-    and the arrived pages it does not use, to release."""
+    and the arrived pages it does not use, to release. SWA rows may arrive for any planned
+    page, not only the plan's window (a tier that keeps a page's families together hands them
+    over together), so a short window can fall back to an earlier one that arrived whole."""
     full = _arrived("arrived_full", arrived_full, plan.full_pages)
-    swa = _arrived("arrived_swa", arrived_swa, plan.swa_pages)
+    swa = _arrived("arrived_swa", arrived_swa, plan.full_pages)
     pages = range(plan.num_pages)
     new = plan_prefix_commit([p in full for p in pages], [p in swa for p in pages],
                              plan.page_size, plan.window)

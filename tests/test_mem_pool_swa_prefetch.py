@@ -123,7 +123,17 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="did not load"):
         release_short_prefetch(plan, [0, 3], [])
     with pytest.raises(ValueError, match="did not load"):
-        release_short_prefetch(commit_plan(24, 4, 8), [], [3])
+        release_short_prefetch(commit_plan(24, 4, 8), [], [6])
+
+
+def test_a_short_window_falls_back_to_an_earlier_window_that_arrived():
+    """Pages of 4, window 8: committing 24 needs SWA pages 4, 5; page 5's SWA rows are short,
+    but pages 3 and 4 arrived whole (a record carries every family), so 20 is committed, and
+    the SWA page before that window (2) is released."""
+    plan = commit_plan(24, 4, 8)
+    new, release = release_short_prefetch(plan, range(6), [2, 3, 4])
+    assert new.commit_tokens == 20 and new.swa_pages == (3, 4)
+    assert release == PageRelease((5,), (2,))
     with pytest.raises(ValueError, match="pages"):
         plan_prefix_commit([T] * 3, [T] * 2, 4, 10)
     with pytest.raises(ValueError, match="window"):

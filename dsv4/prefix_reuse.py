@@ -1,0 +1,102 @@
+"""The engine's side of the prefix cache (``mem_pool.prefix_cache``).
+
+On admission each prompt asks the cache for its longest cached prefix, leaving at least its
+last token to compute (the first generated token needs its logits). The request gets fresh
+pages for the whole prompt as usual; the cached positions are written into them from the host
+copy (SWA pages before the window are freed first, so the copy's SWA rows and the request's
+slots line up, as after a retraction), and the prefill extends only the rest.
+
+After the prefill every whole prompt page the cache lacks is inserted: its rows copied from the
+device, and the ratio-4 compressor rings at the page's end taken from the forward itself (the
+batch asks for the (kv, score) rows of the ``ring`` positions before each page end, which is
+exactly what a ring holds there; pages are multiples of the ring, so position p sits at ring
+row p % ring in order).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mem_pool import envs as _pool_envs  # noqa: F401  (registers the pool's flags first)
+from mem_pool.host_copy import KVHostCopy, get_cpu_copy
+from mem_pool.kv_cache_spec import STATE_RING
+from mem_pool.page_record import split_host_copy, with_boundary_state
+from mem_pool.prefix_cache import PrefixCache, PrefixHit, complete_states
+
+from . import envs
+from .request import Request
+
+RING = STATE_RING[4]
+
+
+def prefix_cache_from_env(page_size: int, window: int, device_pages: int) -> PrefixCache | None:
+    """The cache DSV4_PREFIX_CACHE asks for (None when it is off)."""
+    if not envs.PREFIX_CACHE.get():
+        return None
+    host_pages = envs.PREFIX_CACHE_HOST_PAGES.get()
+    if host_pages < 0:
+        raise ValueError(f"DSV4_PREFIX_CACHE_HOST_PAGES={host_pages}: expected >= 0")
+    return PrefixCache(page_size, window, host_pages or device_pages,
+                       file_dir=envs.PREFIX_CACHE_DIR.get() or None)
+
+
+def match_prompt(cache: PrefixCache, req: Request) -> PrefixHit:
+    return cache.match(req.prompt, max_tokens=len(req.prompt) - 1)
+
+
+def load_prefix(engine, req: Request, hit: PrefixHit, locs: torch.Tensor) -> None:
+    """Write the hit's positions into the request's fresh pages (locs: its full locations,
+    device) and its slot's compressor rings; free the SWA pages before the window."""
+    k, window = hit.tokens, engine.model.config.window_size
+    engine.allocator.free_swa_out_of_window(torch.tensor(req.locs[:k]), k, window)
+    req.swa_freed_to = max(0, k - window) // engine.page_size * engine.page_size
+    copy = hit.copy
+    engine.pool.load_cpu_copy(
+        KVHostCopy(copy.num_tokens, copy.families, complete_states(engine.pool, copy.states)),
+        locs[:k], req_pool_idx=req.slot)
+
+
+@dataclass
+class BoundaryCapture:
+    """Which captured rows belong to which page end: (request, page index, first row)."""
+    rows: torch.Tensor
+    ends: list[tuple[Request, int, int]]
+
+
+def boundary_capture(reqs: list[Request], starts: list[int], page_size: int,
+                     device) -> BoundaryCapture:
+    """The batch rows whose ring rows the prefill must hand back: for every page end b the
+    extend covers, the RING positions before b."""
+    rows, ends, offset = [], [], 0
+    for req, start in zip(reqs, starts):
+        for end in range(start + page_size, len(req.prompt) + 1, page_size):
+            ends.append((req, end // page_size - 1, len(rows)))
+            rows.extend(range(offset + end - RING - start, offset + end - start))
+        offset += len(req.prompt) - start
+    return BoundaryCapture(torch.tensor(rows, dtype=torch.int64, device=device), ends)
+
+
+def insert_prompt_pages(engine, cache: PrefixCache, capture: BoundaryCapture,
+                        captured: dict[str, dict[int, torch.Tensor]] | None) -> None:
+    """Insert the whole prompt pages this prefill computed that the cache does not hold."""
+    by_req: dict[int, list[tuple[int, int]]] = {}
+    for req, page, row in capture.ends:
+        by_req.setdefault(id(req), []).append((page, row))
+    reqs = {id(req): req for req, _, _ in capture.ends}
+    for key_id, ends in by_req.items():
+        req = reqs[key_id]
+        keys = cache.keys(req.prompt)
+        todo = [(page, row) for page, row in ends if not cache.contains(keys[page])]
+        if not todo:
+            continue
+        first, last = todo[0][0], todo[-1][0]
+        P = engine.page_size
+        locs = torch.tensor(req.locs[first * P:(last + 1) * P], device=engine.device)
+        records = split_host_copy(get_cpu_copy(engine.pool, locs), P)
+        for page, row in todo:
+            states = {table: {layer: rows[row:row + RING].cpu()
+                              for layer, rows in layers.items()}
+                      for table, layers in (captured or {}).items()}
+            cache.insert(keys[page], with_boundary_state(records[page - first], states))
