@@ -183,9 +183,12 @@ class PrefixCache:
             local, released = release_short_prefetch(plan, full, swa)
             if released or local.commit_tokens < plan.commit_tokens:
                 self.stats.short_prefetches += 1
+            held_from = local.swa_start_page     # the SWA run this rank holds up to its commit
+            while held_from > 0 and held_from - 1 in swa:
+                held_from -= 1
             agreement = agree_on_commit(local, [len(local.full_pages), len(local.swa_pages),
-                                                *hit_pages_of_pools], self.group)
-            commit, beyond = commit_agreed(local, agreement)
+                                                *hit_pages_of_pools], self.group, held_from)
+            commit, beyond = commit_agreed(local, agreement, held_from)
             self.stats.released_pages += (len(released.full_pages) + len(beyond.full_pages))
             self.stats.hit_tokens += commit.commit_tokens
             copy = self._join(commit, records) if commit.commit_tokens else None

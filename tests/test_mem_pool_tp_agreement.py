@@ -60,6 +60,24 @@ def test_agreement_rule(tokens, agreed):
         assert list(release.full_pages) == list(range(agreed // PAGE_SIZE, plan.num_pages))
 
 
+def test_a_rank_holding_swa_before_its_window_lets_a_smaller_commit_through():
+    """The (24, 20) case above with the 24-rank holding SWA pages from 2 (its records carry
+    every family): the window before 20 (pages 2-4) is held by both, so 20 is committed; with
+    only its own window held (from page 3) nothing is."""
+    plans = [commit_plan(24, PAGE_SIZE, WINDOW), commit_plan(20, PAGE_SIZE, WINDOW)]
+    for held, agreed in (((2, 2), 20), ((3, 2), 0)):
+        packed = torch.stack([pack_outcome(p, [], h) for p, h in zip(plans, held)]).min(0).values
+        result = agreement_from_reduced(packed, PAGE_SIZE, WINDOW)
+        assert result.commit_tokens == agreed
+        if agreed:
+            commit, release = commit_agreed(plans[0], result, swa_held_from=held[0])
+            assert commit.swa_pages == (2, 3, 4) and release.full_pages == (5,)
+    with pytest.raises(ValueError, match="lacks full pages"):
+        commit_agreed(plans[0], Agreement(20, 20, 2, ()))
+    with pytest.raises(ValueError, match="swa_held_from=4"):
+        pack_outcome(plans[0], [], 4)
+
+
 def test_no_group_or_one_rank_calls_no_collective(monkeypatch):
     def no_collective(*args, **kwargs):
         raise AssertionError("a collective was called")
