@@ -28,7 +28,8 @@ from .forward_batch import ForwardBatch
 class CompressPlan:
     ratio: int
     ring_size: int
-    tokens: torch.Tensor       # [M] batch token index of each candidate (decode: every token)
+    tokens: torch.Tensor       # [M] batch token index of each candidate: the tokens closing a
+    #                            window (in a captured decode step: every token)
     src_state: torch.Tensor    # [M, R] state-ring row of each pooled row, -1 = from this step
     src_new: torch.Tensor      # [M, R] batch token index of each pooled row, -1 = from the ring
     has_prev: torch.Tensor     # [M] the previous window exists (overlap pooling)
@@ -92,7 +93,10 @@ def build_attention_metadata(batch: ForwardBatch, req_to_token: torch.Tensor,
 def _compress_plan(batch, ratio, ring, pos, req, seq_len, first_new, full_loc, n_rows):
     dev = pos.device
     n = pos.shape[0]
-    if batch.is_decode:
+    if batch.host_positions is not None:
+        tokens = torch.tensor([i for i, p in enumerate(batch.host_positions)
+                               if (p + 1) % ratio == 0], dtype=torch.int64, device=dev)
+    elif batch.is_decode:
         tokens = torch.arange(n, device=dev)
     else:
         tokens = torch.nonzero((pos + 1) % ratio == 0).flatten()

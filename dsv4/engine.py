@@ -298,14 +298,15 @@ class Engine:
         self.stats.prefix_hit_tokens += sum(starts)
         dev = self.device
         new = lens - torch.tensor(starts)
+        positions = [p for k, n in zip(starts, lens.tolist()) for p in range(k, n)]
         batch = ForwardBatch(
             ForwardMode.EXTEND, input_ids=torch.tensor(
                 [t for r, k in zip(reqs, starts) for t in r.prompt[k:]], device=dev),
-            positions=torch.cat([torch.arange(k, n) for k, n in zip(starts, lens.tolist())]
-                                ).to(dev),
+            positions=torch.tensor(positions, device=dev),
             out_cache_loc=torch.cat(new_locs), req_pool_indices=torch.tensor(slots, device=dev),
             seq_lens=lens.to(dev), extend_seq_lens=new.to(dev),
-            max_seq_len=max(len(r.prompt) for r in reqs))
+            max_seq_len=max(len(r.prompt) for r in reqs),
+            host_positions=positions)
         capture = boundary_capture(reqs, starts, self.page_size, dev) if cache else None
         if capture is not None:
             batch.capture_state_rows = capture.rows
@@ -334,7 +335,8 @@ class Engine:
                              input_ids=torch.tensor([r.next_input for r in running], device=dev),
                              positions=lens - 1, out_cache_loc=locs,
                              req_pool_indices=torch.tensor([r.slot for r in running], device=dev),
-                             seq_lens=lens, max_seq_len=max(r.seq_len for r in running))
+                             seq_lens=lens, max_seq_len=max(r.seq_len for r in running),
+                             host_positions=[r.seq_len - 1 for r in running])
         logits = self._decode_forward(batch)
         self.stats.decode_tokens += len(running)
         self._finish_step(list(running), running, logits, return_logits)

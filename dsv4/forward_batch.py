@@ -29,6 +29,10 @@ class ForwardBatch:
     extend_seq_lens: torch.Tensor | None = None  # [B] new tokens per request (extend only)
     max_seq_len: int | None = None  # the largest of seq_lens as a host int, when the caller
     #                                 knows it: metadata sizes are then set without a host read
+    # The positions as host ints, when the caller knows them (eager steps): the compressors then
+    # pool only the tokens that close a window, chosen without a device read. Without them
+    # (captured decode graphs) every decode token pools and only boundary rows are stored.
+    host_positions: list[int] | None = None
     # Extend only: batch token indices whose ratio-4 compressor (kv, score) rows the forward
     # hands back in ``captured_states`` (table name -> layer -> rows [K, width]), so a caller can
     # rebuild a request's state ring at a page boundary inside the step (the prefix cache).

@@ -61,11 +61,13 @@ def run_compressor(comp: Compressor, x: torch.Tensor, positions: torch.Tensor, p
     kv, score = comp.project(x, positions)
     width = kv.shape[1]
     new = torch.cat([kv, score], 1)
-    from_new = (plan.src_new >= 0).unsqueeze(-1)
-    rows = torch.where(from_new, new[plan.src_new.clamp(min=0)], state[plan.src_state.clamp(min=0)])
-    pooled = comp.pool(rows[..., :width], rows[..., width:], plan.has_prev)
-    out = comp.finish(pooled, freqs_cis[plan.window_start.clamp(min=0)], x.dtype)
-    store(out.contiguous(), plan.emit_loc)
+    if plan.tokens.numel():              # a shape, known on the host: no window closes here
+        from_new = (plan.src_new >= 0).unsqueeze(-1)
+        rows = torch.where(from_new, new[plan.src_new.clamp(min=0)],
+                           state[plan.src_state.clamp(min=0)])
+        pooled = comp.pool(rows[..., :width], rows[..., width:], plan.has_prev)
+        out = comp.finish(pooled, freqs_cis[plan.window_start.clamp(min=0)], x.dtype)
+        store(out.contiguous(), plan.emit_loc)
     keep = plan.state_write >= 0
     state.index_copy_(0, torch.where(keep, plan.state_write, state.shape[0] - 1), new)
     return new

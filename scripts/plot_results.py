@@ -6,6 +6,8 @@ Writes, for the files present:
   set_kv.png            p50 us vs N, one line per (op, backend)
   <decode file>_itl.png ITL p50 vs concurrency, one line per flag configuration, a panel per
                         context length; <decode file>_tokens_per_s.png likewise for tokens/s
+  prefix_cache.png      prefill ms with and without the prefix cache, and the fraction saved,
+                        vs the hit rate
 Without matplotlib it prints why and writes nothing (exit status 0): plots are optional.
 
 Run: python scripts/plot_results.py results/<timestamp>
@@ -96,6 +98,26 @@ def plot_decode(plt, name: str, rec: dict, out_dir: Path, written: list[Path]) -
         _save(fig, out_dir / f"{name}_{suffix}.png", written)
 
 
+def plot_prefix_cache(plt, rec: dict, out_dir: Path, written: list[Path]) -> None:
+    rows = sorted(rec["results"], key=lambda r: (r["hit_rate"], r["shared_fraction"]))
+    hit = [100 * r["hit_rate"] for r in rows]
+    c = rec["config"]
+    fig, (left, right) = _panels(plt, 2, f"prefix cache, tiny preset: {c['batch']} x "
+                                         f"{c['prompt_len']} tokens, pages of {c['page_size']}")
+    left.plot(hit, [r["prefill_ms_uncached"] for r in rows], marker="o", label="no cache")
+    left.plot(hit, [r["prefill_ms_cached"] for r in rows], marker="o", label="prefix cache")
+    left.set_xlabel("prefix hit rate (% of prompt tokens)")
+    left.set_ylabel("prefill ms (median)")
+    left.set_ylim(bottom=0)
+    left.legend()
+    right.plot(hit, [100 * r["saved_fraction"] for r in rows], marker="o")
+    right.plot([0, 100], [0, 100], linestyle="--", color="gray", label="saved = hit rate")
+    right.set_xlabel("prefix hit rate (% of prompt tokens)")
+    right.set_ylabel("prefill time saved (%)")
+    right.legend()
+    _save(fig, out_dir / "prefix_cache.png", written)
+
+
 def plot_all(results_dir: Path) -> list[Path]:
     """The PNGs written (none without matplotlib or results)."""
     try:
@@ -113,6 +135,9 @@ def plot_all(results_dir: Path) -> list[Path]:
     set_kv = results_dir / "bench_set_kv.json"
     if set_kv.exists():
         plot_set_kv(plt, json.loads(set_kv.read_text()), results_dir, written)
+    prefix = results_dir / "bench_prefix_cache.json"
+    if prefix.exists():
+        plot_prefix_cache(plt, json.loads(prefix.read_text()), results_dir, written)
     for path in sorted(results_dir.glob("bench_decode*.json")):
         rec = json.loads(path.read_text())
         if rec["results"]:
