@@ -1,4 +1,5 @@
-"""Kernels of the DeepSeek-V4 decode backend: torch references, Triton kernels and HIP C++.
+"""Kernels of the DeepSeek-V4 decode backend: torch references, Triton kernels and HIP C++ for the
+set-KV family (`set_kv`), and mHC's split with its Sinkhorn normalisation (`mhc_split`).
 
 This package imports only torch (triton and compiled extensions are imported lazily inside the
 functions that need them), so ``import hip_kernels`` works on a machine without triton.

@@ -1,4 +1,5 @@
-"""Ahead-of-time compile of the Triton set-KV kernels for AMD targets, without a GPU.
+"""Ahead-of-time compile of the Triton kernels (set-KV family, mHC split) for AMD targets,
+without a GPU.
 
 `report()` gives, per kernel variant, the VGPR/SGPR counts, scratch bytes and the hardware fp8
 converts used (`v_cvt_pk_fp8_f32` on gfx942; none means software emulation or no fp8
@@ -73,7 +74,16 @@ def _variants(dialect):
         "indexer_store": (
             K.indexer_store_kernel, {"k_ptr": "*bf16", "k_stride": "i32:D", **loc},
             {"loc_stride": 1, "PAGE_SIZE": 64, **fp8}),
+        "hc_split": _hc_split_variant(),
     }
+
+
+def _hc_split_variant():
+    from .mhc_split_triton import BLOCK_N, hc_split_kernel
+
+    ptrs = ("mix_ptr", "scale_ptr", "base_ptr", "pre_ptr", "post_ptr", "comb_ptr")
+    return hc_split_kernel, {**dict.fromkeys(ptrs, "*fp32"), "n_rows": "i32", "iters": "i32",
+                             "eps": "fp32"}, {"HC": 4, "BLOCK_N": BLOCK_N}
 
 
 def compile_for(kernel, signature, constexprs, arch):

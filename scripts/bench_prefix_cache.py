@@ -81,7 +81,7 @@ def parse_args(argv=None):
                    default=None, help="shared prefix fractions (default 0,0.25,0.5,0.75,1; quick 0,0.5,1)")
     p.add_argument("--batch", type=int, default=1, help="prompts per pass (default 1)")
     p.add_argument("--prompt-len", type=int, default=None,
-                   help="tokens per prompt (default 2048; quick 256)")
+                   help="tokens per prompt (default 1024; quick 256)")
     p.add_argument("--page-size", type=int, default=None,
                    help="page size in tokens (default 256; quick 128)")
     args = p.parse_args(argv)
@@ -89,7 +89,7 @@ def parse_args(argv=None):
     args.reps = args.reps or (1 if args.quick else 3)
     args.fractions = args.fractions or ([0.0, 0.5, 1.0] if args.quick
                                         else [0.0, 0.25, 0.5, 0.75, 1.0])
-    args.prompt_len = args.prompt_len or (256 if args.quick else 2048)
+    args.prompt_len = args.prompt_len or (256 if args.quick else 1024)
     args.page_size = args.page_size or (128 if args.quick else 256)
     bad = [f for f in args.fractions if not 0 <= f <= 1]
     if bad:

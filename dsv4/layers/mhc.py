@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hip_kernels import mhc_split
+
 
 def hc_mixes(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
     """(x.flatten @ fn^T) * rsqrt(mean(x^2) + eps), fp32 [N, fn.shape[0]]."""
@@ -18,23 +20,11 @@ def hc_mixes(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor
     return F.linear(xf, fn.float()) * r
 
 
-def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """Row softmax, then alternate column / row normalization (the reference's order)."""
-    c = comb.softmax(-1) + eps
-    c = c / (c.sum(-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        c = c / (c.sum(-1, keepdim=True) + eps)
-        c = c / (c.sum(-2, keepdim=True) + eps)
-    return c
-
-
 def hc_split(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,
              eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """pre [N, hc], post [N, hc], comb [N, hc, hc] from the mixes [N, (2 + hc) * hc]."""
-    pre = torch.sigmoid(mixes[..., :hc] * scale[0] + base[:hc]) + eps
-    post = 2 * torch.sigmoid(mixes[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
-    comb = mixes[..., 2 * hc:].unflatten(-1, (hc, hc)) * scale[2] + base[2 * hc:].view(hc, hc)
-    return pre, post, sinkhorn(comb, iters, eps)
+    """pre [N, hc], post [N, hc], comb [N, hc, hc] (Sinkhorn-normalised) from the mixes
+    [N, (2 + hc) * hc]: one fused op (``hip_kernels.mhc_split``)."""
+    return mhc_split.hc_split(mixes.flatten(0, -2), scale, base, hc, iters, eps)
 
 
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,

@@ -1,0 +1,99 @@
+"""mHC's split of the mixes into (pre, post, comb), with comb's Sinkhorn normalisation, as one
+dispatcher op (`torch.ops.dsv4.hc_split`).
+
+For each row of mixes [N, (2 + hc) * hc] (fp32), with scale [3] and base [(2 + hc) * hc]:
+
+    pre  = sigmoid(mixes[:hc] * scale[0] + base[:hc]) + eps
+    post = 2 * sigmoid(mixes[hc:2hc] * scale[1] + base[hc:2hc])
+    comb = mixes[2hc:] * scale[2] + base[2hc:] as [hc, hc]; c = softmax over j + eps; c /= its
+           column sums + eps; then iters - 1 times: c /= row sums + eps, c /= column sums + eps
+
+The torch reference runs these as ~120 small ops per call (the loop is sequential); the Triton
+kernel (`mhc_split_triton`, one program per block of rows, everything in registers) runs them
+as one launch. Both compute in fp32 in the same order; exp and division may differ in the last
+bit between torch and Triton, so they agree to ~1e-6 relative, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import envs, set_kv_ops  # noqa: F401  (set_kv_ops defines the dsv4 library first)
+from .backend import BackendUnavailable, triton_usable
+
+LIBRARY = "dsv4"
+
+
+def sinkhorn_ref(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Row softmax, then alternate column / row normalisation, ending on the columns."""
+    c = comb.softmax(-1) + eps
+    c = c / (c.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        c = c / (c.sum(-1, keepdim=True) + eps)
+        c = c / (c.sum(-2, keepdim=True) + eps)
+    return c
+
+
+def hc_split_ref(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int,
+                 iters: int, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    pre = torch.sigmoid(mixes[..., :hc] * scale[0] + base[:hc]) + eps
+    post = 2 * torch.sigmoid(mixes[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    comb = mixes[..., 2 * hc:].unflatten(-1, (hc, hc)) * scale[2] + base[2 * hc:].view(hc, hc)
+    return pre, post, sinkhorn_ref(comb, iters, eps)
+
+
+def _impl(mixes, scale, base, hc, iters, eps, backend):
+    if backend == "triton":
+        from .mhc_split_triton import hc_split_triton
+        return hc_split_triton(mixes, scale, base, hc, iters, eps)
+    return hc_split_ref(mixes, scale, base, hc, iters, eps)
+
+
+def _fake(mixes, scale, base, hc, iters, eps, backend):
+    n = mixes.shape[0]
+    return (mixes.new_empty(n, hc), mixes.new_empty(n, hc), mixes.new_empty(n, hc, hc))
+
+
+def _register() -> torch.library.Library:
+    lib = torch.library.Library(LIBRARY, "FRAGMENT")
+    lib.define("hc_split(Tensor mixes, Tensor scale, Tensor base, int hc, int iters, float eps, "
+               "str backend) -> (Tensor, Tensor, Tensor)")
+    lib.impl("hc_split", _impl, "CompositeExplicitAutograd")
+    lib.impl("hc_split", _fake, "Meta")
+    return lib
+
+
+_LIB = _register()
+
+
+def backend_for(device: torch.device, hc: int) -> str:
+    """Like the set-KV ops (no HIP C++ version): Triton for GPU tensors, the torch reference on a
+    CPU; DSV4_KERNEL_BACKEND=torch forces the reference, =triton forces Triton (on a CPU only
+    under TRITON_INTERPRET=1). An hc that is not a power of two (Triton block shapes must be)
+    runs the reference."""
+    choice = envs.KERNEL_BACKEND.get()
+    if choice == "torch" or hc & (hc - 1):
+        return "torch"
+    if choice == "triton" and not triton_usable(device):
+        raise BackendUnavailable(
+            f"DSV4_KERNEL_BACKEND=triton needs triton and a GPU tensor (got device {device}); "
+            "on a CPU set TRITON_INTERPRET=1 before triton is first imported")
+    if choice == "triton" or (device.type == "cuda" and triton_usable(device)):
+        return "triton"
+    return "torch"
+
+
+def hc_split(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,
+             eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pre [N, hc], post [N, hc], comb [N, hc, hc]) fp32 from fp32 mixes [N, (2 + hc) * hc]."""
+    width = (2 + hc) * hc
+    if mixes.dim() != 2 or mixes.shape[1] != width or mixes.dtype != torch.float32:
+        raise ValueError(f"mixes must be fp32 [N, {width}] for hc={hc}, got {mixes.dtype} "
+                         f"{tuple(mixes.shape)}")
+    if tuple(scale.shape) != (3,) or tuple(base.shape) != (width,):
+        raise ValueError(f"scale must be [3] and base [{width}], got {tuple(scale.shape)} and "
+                         f"{tuple(base.shape)}")
+    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
+        raise ValueError(f"iters must be an int >= 1, got {iters!r}")
+    return torch.ops.dsv4.hc_split(mixes.contiguous(), scale.float(), base.float(), hc, iters,
+                                   float(eps), backend_for(mixes.device, hc))
