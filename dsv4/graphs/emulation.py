@@ -88,9 +88,16 @@ class RecordedOp:
     static_outputs: tuple[torch.Tensor, ...]  # allocated by the op; replay refills them
     static_positions: tuple[int, ...]  # their positions among _returned_tensors(outputs)
     rerun: bool  # False for views and bare allocations
+    # The op's out= overload when it has one for this call: replay then writes the static output
+    # directly, with no second allocation and no copy (what a GPU graph does: a kernel writes
+    # into the graph's memory).
+    out_func: torch._ops.OpOverload | None = None
 
     def replay(self) -> None:
         if not self.rerun:
+            return
+        if self.out_func is not None:
+            self.out_func(*self.args, **self.kwargs, out=self.static_outputs[0])
             return
         result = _returned_tensors(self.func, self.func(*self.args, **self.kwargs))
         for static, i in zip(self.static_outputs, self.static_positions):
@@ -125,7 +132,26 @@ def _record(func, args: tuple, kwargs: dict, out) -> RecordedOp:
                   for a in func._schema.arguments)
     rerun = (func.overloadpacket.__name__ not in _ALLOCATION_ONLY
              and (mutates or bool(static) or not func._schema.returns))
-    return RecordedOp(func, args, kwargs, out, static, positions, rerun)
+    out_func = None
+    if rerun and not mutates and positions == (0,) and len(func._schema.returns) == 1:
+        out_func = _out_overload(func)
+    return RecordedOp(func, args, kwargs, out, static, positions, rerun, out_func)
+
+
+def _out_overload(func) -> torch._ops.OpOverload | None:
+    """The out= overload taking exactly func's arguments plus `out`, if the op has one."""
+    name = func._overloadname
+    arguments = [(a.name, str(a.type)) for a in func._schema.arguments]
+    for candidate in ("out",) if name == "default" else (f"{name}_out", "out"):
+        overload = getattr(func.overloadpacket, candidate, None)
+        if overload is None:
+            continue
+        schema = overload._schema
+        outs = [a.name for a in schema.arguments if a.is_out]
+        if outs == ["out"] and [(a.name, str(a.type)) for a in schema.arguments
+                                if not a.is_out] == arguments:
+            return overload
+    return None
 
 
 def _is_tensor_type(t) -> bool:
