@@ -144,24 +144,60 @@ def test_attention_sink_only_enters_the_denominator():
 
 
 @pytest.mark.parametrize("layer_id", [0, 1])   # hash-routed, score-routed
-def test_moe_eager_and_capture_paths_agree_and_match_the_dense_restatement(layer_id):
+def test_grouped_moe_matches_the_dense_restatement_and_reads_nothing_on_the_host(layer_id):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
     from dsv4.model import DeepseekV4Model
     from dsv4.random_init import init_random_weights
+
+    class HostReads(TorchDispatchMode):
+        reads = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            HostReads.reads += func.overloadpacket.__name__ == "_local_scalar_dense"
+            return func(*args, **(kwargs or {}))
 
     model = init_random_weights(DeepseekV4Model(TINY), seed=3)
     moe: MoE = model.layers[layer_id].ffn
     x = (torch.randn(7, TINY.dim) * 4).to(torch.bfloat16)      # large enough to hit the clamp
     ids = torch.randint(0, TINY.vocab_size, (7,))
+    tolist = torch.Tensor.tolist
+    torch.Tensor.tolist = lambda t: pytest.fail("MoE read a tensor to the host")
+    try:
+        with torch.no_grad(), HostReads():
+            eager = moe(x, ids)
+            capture.set_emulated_capture(True)
+            try:
+                captured = moe(x, ids)
+            finally:
+                capture.set_emulated_capture(False)
+    finally:
+        torch.Tensor.tolist = tolist
     with torch.no_grad():
-        eager = moe(x, ids)
-        capture.set_emulated_capture(True)
-        try:
-            dense = moe(x, ids)
-        finally:
-            capture.set_emulated_capture(False)
         want = ref.moe(TINY, model.state_dict(), layer_id, x, ids)
-    assert torch.equal(eager, dense)
+    assert HostReads.reads == 0
+    assert torch.equal(eager, captured)
     assert torch.equal(eager, want)
     if layer_id < TINY.n_hash_layers:
         _, idx = moe.gate(x, ids)
         assert torch.equal(idx, moe.gate.tid2eid[ids])
+
+
+def test_routed_experts_are_stacked_but_named_per_expert():
+    """State dicts name each expert's matrices as checkpoints do; they are views of the stacked
+    weights, and load_state_dict takes them back."""
+    from dsv4.model import DeepseekV4Model
+    from dsv4.random_init import init_random_weights
+
+    model = init_random_weights(DeepseekV4Model(TINY), seed=3)
+    sd = model.state_dict()
+    experts = model.layers[1].ffn.experts
+    assert "layers.1.ffn.experts.w1" not in sd
+    for e in (0, TINY.n_routed_experts - 1):
+        for name in ("w1", "w2", "w3"):
+            view = sd[f"layers.1.ffn.experts.{e}.{name}.weight"]
+            assert torch.equal(view, getattr(experts, name)[e])
+            assert view.data_ptr() == getattr(experts, name)[e].data_ptr()
+    other = DeepseekV4Model(TINY)
+    other.load_state_dict({k: v.clone() for k, v in sd.items()})
+    assert torch.equal(other.layers[1].ffn.experts.w2, experts.w2)

@@ -8,8 +8,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hip_kernels.capture import is_capturing
-
 from .linear import Linear
 
 
@@ -59,45 +57,93 @@ class Expert(nn.Module):
         self.w3 = Linear(dim, inter_dim, dtype=dtype, device=device)
         self.swiglu_limit = swiglu_limit
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate = self.w1(x).float()
         up = self.w3(x).float()
         if self.swiglu_limit > 0:
             gate = gate.clamp(max=self.swiglu_limit)
             up = up.clamp(-self.swiglu_limit, self.swiglu_limit)
-        h = F.silu(gate) * up
-        if weights is not None:
-            h = weights * h
-        return self.w2(h.to(x.dtype))
+        return self.w2((F.silu(gate) * up).to(x.dtype))
+
+
+class RoutedExperts(nn.Module):
+    """The routed experts' weights, stacked by expert: w1, w3 [E, inter, dim], w2 [E, dim, inter]
+    (each expert's matrix in nn.Linear's [out, in] layout). State dicts name them per expert, as
+    checkpoints do (``{e}.w1.weight``, views of the stacked tensors), so loading, saving and
+    seeded initialisation see the same names and shapes as a list of per-expert modules."""
+
+    PROJECTIONS = ("w1", "w2", "w3")
+
+    def __init__(self, n_experts: int, dim: int, inter_dim: int, dtype=torch.bfloat16,
+                 device=None):
+        super().__init__()
+        self.n_experts = n_experts
+        shapes = {"w1": (inter_dim, dim), "w2": (dim, inter_dim), "w3": (inter_dim, dim)}
+        for name, shape in shapes.items():
+            self.register_parameter(name, nn.Parameter(torch.empty(n_experts, *shape,
+                                                                   dtype=dtype, device=device)))
+        self._register_state_dict_hook(_per_expert_entries)
+        self._register_load_state_dict_pre_hook(_stacked_entries)
+
+
+def _per_expert_entries(module: RoutedExperts, state_dict, prefix, local_metadata) -> None:
+    for name in RoutedExperts.PROJECTIONS:
+        stacked = state_dict.pop(prefix + name)
+        for e in range(module.n_experts):
+            state_dict[f"{prefix}{e}.{name}.weight"] = stacked[e]
+
+
+def _stacked_entries(state_dict, prefix, *args) -> None:
+    """load_state_dict: gather the per-expert entries into the stacked ones."""
+    for name in RoutedExperts.PROJECTIONS:
+        keys = [k for k in state_dict if k.startswith(prefix) and k.endswith(f".{name}.weight")
+                and k[len(prefix):].split(".")[0].isdigit()]
+        if keys:
+            keys.sort(key=lambda k: int(k[len(prefix):].split(".")[0]))
+            state_dict[prefix + name] = torch.stack([state_dict.pop(k) for k in keys])
 
 
 class MoE(nn.Module):
+    """Routed experts run as grouped GEMMs over the (token, expert) pairs sorted by expert: the
+    shapes depend only on the batch (pairs = tokens x top-k), the group offsets stay on the
+    device, so a step needs no host read and a graph can hold it."""
+
     def __init__(self, cfg, layer_id: int, dtype: torch.dtype = torch.bfloat16, device=None):
         super().__init__()
         self.n_experts = cfg.n_routed_experts
+        self.swiglu_limit = cfg.swiglu_limit
         self.gate = Gate(cfg, layer_id, dtype, device)
-        self.experts = nn.ModuleList(
-            Expert(cfg.dim, cfg.moe_inter_dim, cfg.swiglu_limit, dtype, device)
-            for _ in range(cfg.n_routed_experts))
+        self.experts = RoutedExperts(cfg.n_routed_experts, cfg.dim, cfg.moe_inter_dim, dtype,
+                                     device)
         self.shared_experts = (Expert(cfg.dim, cfg.moe_inter_dim, cfg.swiglu_limit, dtype, device)
                                if cfg.n_shared_experts else None)
 
+    def routed(self, x: torch.Tensor, weights: torch.Tensor,
+               indices: torch.Tensor) -> torch.Tensor:
+        """sum over each token's chosen experts of weight * expert(x), fp32 [N, dim]; per token
+        the experts are added in ascending expert order."""
+        n, k = indices.shape
+        expert = indices.flatten()
+        order = torch.argsort(expert, stable=True)              # pairs grouped by expert
+        token = order // k
+        counts = torch.zeros(self.n_experts, dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, expert, torch.ones_like(expert, dtype=torch.int32))
+        offs = counts.cumsum(0, dtype=torch.int32)
+        xs = x[token]
+        w = self.experts
+        gate = torch._grouped_mm(xs, w.w1.transpose(1, 2), offs=offs).float()
+        up = torch._grouped_mm(xs, w.w3.transpose(1, 2), offs=offs).float()
+        if self.swiglu_limit > 0:
+            gate = gate.clamp(max=self.swiglu_limit)
+            up = up.clamp(-self.swiglu_limit, self.swiglu_limit)
+        h = weights.flatten()[order, None] * (F.silu(gate) * up)
+        out = torch._grouped_mm(h.to(x.dtype), w.w2.transpose(1, 2), offs=offs)
+        return torch.zeros(n, x.shape[1], dtype=torch.float32, device=x.device).index_add_(
+            0, token, out.float())
+
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         weights, indices = self.gate(x, input_ids)
-        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        if is_capturing():
-            # No data-dependent shapes while a graph is captured: every expert sees every row,
-            # with weight 0 where it was not chosen (same sum, same order as the loop below).
-            dense = torch.zeros(x.shape[0], self.n_experts, dtype=torch.float32, device=x.device)
-            dense.scatter_(1, indices, weights)
-            for e, expert in enumerate(self.experts):
-                y += expert(x, dense[:, e:e + 1])
-        else:
-            counts = torch.bincount(indices.flatten(), minlength=self.n_experts).tolist()
-            for e, expert in enumerate(self.experts):
-                if counts[e]:
-                    rows, slot = torch.where(indices == e)
-                    y[rows] += expert(x[rows], weights[rows, slot, None])
+        y = self.routed(x, weights, indices)
         if self.shared_experts is not None:
             y += self.shared_experts(x)
         return y.to(x.dtype)
