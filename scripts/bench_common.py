@@ -50,6 +50,8 @@ from typing import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
 from tqdm import tqdm
 
 SCHEMA_VERSION = 1
@@ -140,6 +142,9 @@ class LaunchCount:
     launches: int
     host_syncs: int
     by_name: dict[str, int] = field(default_factory=dict)
+    # On a CPU, with device_tensors given: the host reads of data derived from those tensors
+    # (what a GPU run would wait for), leaving out reads of host-side bookkeeping tensors.
+    device_syncs: int | None = None
 
     def summary(self) -> dict:
         return {"counter": self.counter, "launches": self.launches,
@@ -150,19 +155,33 @@ class _AtenOpCounter(TorchDispatchMode):
     """Counts the aten ops that reach the dispatcher below autograd (outermost only: ops that a
     kernel implementation calls internally are not seen), except views and allocations."""
 
-    def __init__(self) -> None:
+    def __init__(self, device_tensors=()) -> None:
         super().__init__()
         self.by_name: dict[str, int] = {}
         self.host_syncs = 0
+        self.device_syncs = 0
+        # Tensors holding device data: the seeds and every op output computed from one of them.
+        self.derived = WeakIdKeyDictionary({t: True for t in device_tensors})
+
+    def is_device_data(self, t) -> bool:
+        return isinstance(t, torch.Tensor) and t in self.derived
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
+        kwargs = kwargs or {}
+        from_device = any(self.is_device_data(t) for t in tree_leaves((args, kwargs)))
         if name in HOST_SYNC_OPS:
             self.host_syncs += 1
+            self.device_syncs += from_device
         elif not func.is_view and name not in NO_KERNEL_OPS:
             key = f"{func.namespace}::{name}"
             self.by_name[key] = self.by_name.get(key, 0) + 1
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **kwargs)
+        if from_device:
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self.derived[t] = True
+        return out
 
 
 def _count_device(events) -> LaunchCount:
@@ -181,8 +200,10 @@ def _count_device(events) -> LaunchCount:
     return LaunchCount("device_kernels", sum(by_name.values()), syncs, by_name)
 
 
-def count_launches(fn: Callable[[], object]) -> LaunchCount:
-    """Run fn() once and count what it launched (see the module docstring)."""
+def count_launches(fn: Callable[[], object], device_tensors=()) -> LaunchCount:
+    """Run fn() once and count what it launched (see the module docstring). device_tensors
+    (CPU counter only): the tensors that live on the device in a GPU run (model weights, KV
+    pool); host reads of data computed from them are counted apart as device_syncs."""
     if on_gpu():
         from torch.profiler import ProfilerActivity, profile
 
@@ -191,13 +212,14 @@ def count_launches(fn: Callable[[], object]) -> LaunchCount:
             fn()
             synchronize()
         return _count_device(prof.events())
-    counter = _AtenOpCounter()
-    tolist_calls = 0
+    counter = _AtenOpCounter(device_tensors)
+    tolist_calls = device_tolist_calls = 0
     original = torch.Tensor.tolist
 
     def counting_tolist(self):
-        nonlocal tolist_calls
+        nonlocal tolist_calls, device_tolist_calls
         tolist_calls += 1
+        device_tolist_calls += counter.is_device_data(self)
         return original(self)
 
     torch.Tensor.tolist = counting_tolist
@@ -207,7 +229,8 @@ def count_launches(fn: Callable[[], object]) -> LaunchCount:
     finally:
         torch.Tensor.tolist = original
     return LaunchCount("cpu_aten_ops", sum(counter.by_name.values()),
-                       counter.host_syncs + tolist_calls, counter.by_name)
+                       counter.host_syncs + tolist_calls, counter.by_name,
+                       counter.device_syncs + device_tolist_calls if device_tensors else None)
 
 
 # ---- environment ---------------------------------------------------------------------------

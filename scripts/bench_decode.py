@@ -33,7 +33,11 @@ Output JSON (beyond bench_common's record keys):
       flags (as the worker saw them), itl_p50_vs_default (ratio; null without a default row),
       step_ops, step_syncs, forward_ops, forward_syncs: what one eager decode step (the second
       of a 3-token generate) dispatches, as bench_common.count_launches counts it, for the
-      whole step and for the model forward inside it (null with graphs)
+      whole step and for the model forward inside it (null with graphs); step_device_syncs: of
+      the step's host reads, those of data computed from the device's tensors (weights, KV
+      pool, request table) on a CPU run, i.e. what a GPU run would wait for (the allocator's
+      bookkeeping lives on the host there too); on a GPU, null (step_syncs then counts
+      device-to-host copies)
   "errors": [{"config", "concurrency", "context_len", "error"}] for cases or workers that failed
 
 Run: python scripts/bench_decode.py [--quick] [--out FILE.json]
@@ -146,15 +150,33 @@ class StepClock:
             delattr(owner, name)  # the instance attribute shadowed the class's method
 
 
+def device_state(engine) -> list[torch.Tensor]:
+    """The tensors a GPU run keeps on the device: weights, the KV pool's buffers (caches, state
+    rings, the full -> SWA map) and the request -> token table."""
+    found = [*engine.model.parameters(), *engine.model.buffers(), engine.req_to_token]
+
+    def walk(value):
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, dict):
+            for v in value.values():
+                walk(v)
+    for value in vars(engine.pool).values():
+        walk(value)
+    return found
+
+
 def count_decode_step(engine, prompts) -> dict:
     """Ops and host syncs of the second decode step of a 3-token generate (eager), overall and
     inside the model forward."""
     real_step, real_forward = engine._decode_step, engine._decode_forward
     counts, calls = {}, []
+    on_device = device_state(engine)
 
     def forward(batch):
         out = []
-        counts["forward"] = bc.count_launches(lambda: out.append(real_forward(batch)))
+        counts["forward"] = bc.count_launches(lambda: out.append(real_forward(batch)),
+                                              on_device)
         return out[0]
 
     def step(*args):
@@ -163,7 +185,7 @@ def count_decode_step(engine, prompts) -> dict:
             return real_step(*args)
         engine._decode_forward = forward
         try:
-            counts["step"] = bc.count_launches(lambda: real_step(*args))
+            counts["step"] = bc.count_launches(lambda: real_step(*args), on_device)
         finally:
             engine._decode_forward = real_forward
 
@@ -173,6 +195,7 @@ def count_decode_step(engine, prompts) -> dict:
     finally:
         del engine._decode_step
     return {"step_ops": counts["step"].launches, "step_syncs": counts["step"].host_syncs,
+            "step_device_syncs": counts["step"].device_syncs,
             "forward_ops": counts["forward"].launches,
             "forward_syncs": counts["forward"].host_syncs}
 
@@ -214,7 +237,8 @@ def run_case(model, spec: dict, concurrency: int, context_len: int) -> dict:
         "swa_translations_per_step": None if graph_used else round(translations / steps, 3),
         "swa_cache_hits_per_step": None if graph_used else round(hits / steps, 3),
         "graph_used": graph_used,
-        **(dict.fromkeys(("step_ops", "step_syncs", "forward_ops", "forward_syncs"))
+        **(dict.fromkeys(("step_ops", "step_syncs", "step_device_syncs", "forward_ops",
+                          "forward_syncs"))
            if graph_used else count_decode_step(engine, prompts)),
     }
 

@@ -76,6 +76,26 @@ def test_cpu_launch_counter_counts_data_work_and_host_syncs():
     assert torch.Tensor.tolist.__qualname__ == "TensorBase.tolist"  # restored
 
 
+def test_cpu_counter_tells_reads_of_device_data_from_host_bookkeeping():
+    """Given the tensors a GPU run keeps on the device, a host read counts as a device sync
+    when the data read was computed from one of them (through any chain of ops, views and
+    in-place writes), not when it is the host's own bookkeeping."""
+    weights, host = torch.arange(6.0), torch.arange(4)
+
+    def ops():
+        int(host.sum())                          # bookkeeping
+        host.tolist()                            # bookkeeping
+        logits = (weights * 2).view(2, 3)
+        logits.argmax(-1).tolist()               # a device read
+        buf = torch.zeros(3)
+        buf.copy_(logits[0])                     # device data lands in a fresh tensor
+        float(buf[1])                            # a device read
+
+    count = bc.count_launches(ops, [weights])
+    assert (count.host_syncs, count.device_syncs) == (4, 2)
+    assert bc.count_launches(ops).device_syncs is None
+
+
 @pytest.mark.gpu
 def test_device_launch_counter_sees_kernels_and_device_to_host_copies():
     x = torch.arange(12, device="cuda")
@@ -95,8 +115,8 @@ def test_environment_has_the_documented_keys():
 
 
 def test_every_script_has_help():
-    names = ("bench_swa_translation.py", "bench_decode.py", "plot_results.py",
-             "summarize_results.py")
+    names = ("bench_swa_translation.py", "bench_decode.py", "bench_prefix_cache.py",
+             "bench_graph_replay.py", "plot_results.py", "summarize_results.py")
     procs = {name: subprocess.Popen([sys.executable, str(SCRIPTS / name), "--help"],
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for name in names}  # in parallel: each one imports torch
@@ -163,6 +183,21 @@ def test_engine_bookkeeping_per_step_does_not_grow_with_context(tmp_path):
     assert record["ratios"]["elements"] == 1.0
 
 
+def test_graph_replay_splits_its_cost_into_shapes_and_mechanism(tmp_path):
+    out = tmp_path / "replay.json"
+    proc = run_script("bench_graph_replay.py", "--quick", "--no-progress", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads(out.read_text())
+    check_record(record, "bench_graph_replay")
+    r = record["results"]
+    assert r["eager_ms"] > 0 and r["replay_ms"] > 0 and r["replayed_ops"] <= r["recorded_ops"]
+    # a graph's static shapes pool every row and attend over max_context_len / ratio rows
+    assert r["eager_static_ops"] > r["eager_ops"]
+    ratios = r["ratios"]
+    assert ratios["replay_vs_eager"] == pytest.approx(
+        ratios["static_shapes"] * ratios["mechanism"], rel=0.01)
+
+
 @pytest.mark.slow
 def test_prefix_cache_saves_prefill_time_in_proportion_to_hits(tmp_path):
     """Prompts of 256 tokens, pages of 128: sharing the whole prompt hits one page (the last
@@ -212,6 +247,8 @@ def test_decode_quick_writes_the_documented_json(tmp_path):
             assert r["swa_translations_per_step"] == (1 if cache_on else n_layers), r
             assert 0 < r["forward_ops"] < r["step_ops"], r
             assert 0 <= r["forward_syncs"] <= r["step_syncs"], r
+            # the model forward reads nothing on the host; the step reads the sampled tokens
+            assert r["forward_syncs"] == 0 and r["step_device_syncs"] == 1, r
         else:
             assert r["step_ops"] is None and r["forward_syncs"] is None
 
