@@ -73,51 +73,22 @@ def run_compressor(comp: Compressor, x: torch.Tensor, positions: torch.Tensor, p
     return new
 
 
-def read_kv(cache: torch.Tensor, loc: torch.Tensor, page_size: int) -> torch.Tensor:
-    """Dequantized rows fp32 [*loc.shape, 512] of a V4-layout cache (see hip_kernels.kv_layout:
-    a page is [P x 576 value bytes][P x 8 scale bytes][padding]). Gathers whole rows through
-    [page, offset] views of the page bytes, so the index tensors are one entry per row."""
-    L = kv_layout
-    d = fp8_dialect()
-    values = cache[:, :page_size * L.VALUE_BYTES].view(-1, page_size, L.VALUE_BYTES)
-    scales = cache[:, page_size * L.VALUE_BYTES:page_size * L.TOKEN_BYTES].view(
-        -1, page_size, L.SCALE_BYTES)
-    loc = loc.long()
-    page, off = loc // page_size, loc % page_size
-    v = values[page, off]
-    exp = scales[page, off][..., :L.N_TILES].to(torch.int32) - L.UE8M0_BIAS
-    nope = v[..., :L.NOPE_DIM].view(d.torch_dtype).float().unflatten(-1, (L.N_TILES, L.TILE))
-    nope = torch.ldexp(nope, exp.unsqueeze(-1).float()).flatten(-2)
-    return torch.cat([nope, v[..., L.NOPE_DIM:].view(torch.bfloat16).float()], -1)
-
-
-def read_index_keys(cache: torch.Tensor, loc: torch.Tensor, page_size: int) -> torch.Tensor:
-    """Dequantized indexer keys fp32 [*loc.shape, 128]: page = [P x 128 fp8][P x 4 fp32 scale]."""
-    width = kv_layout.INDEX_DIM
-    values = cache[:, :page_size * width].view(-1, page_size, width)
-    scales = cache[:, page_size * width:page_size * (width + 4)].view(-1, page_size, 4)
-    loc = loc.long()
-    page, off = loc // page_size, loc % page_size
-    q = values[page, off].view(fp8_dialect().torch_dtype).float()
-    return q * scales[page, off].view(torch.float32)
-
-
 def select_rows(indexer: Indexer, qr, x, freqs, plan: CompressPlan, rows: slice, cache,
                 page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(compressed locations [n, k], valid [n, k]) the indexer keeps for the queries in rows."""
     q = indexer.project_q(qr, freqs)
     w = indexer.head_weights(x)
     loc = plan.row_loc[rows]
-    keys = read_index_keys(cache, loc, page_size)
+    keys = kv_layout.read_indexer_rows(cache, loc, page_size)
     pick = indexer.select(Indexer.scores(q, w, keys), plan.row_valid[rows])
     return loc.gather(1, pick.clamp(min=0)), pick >= 0
 
 
 def read_kv_shared(cache: torch.Tensor, loc: torch.Tensor, page_size: int) -> torch.Tensor:
-    """read_kv for an extend, where the queries of a request share most of their rows: each
+    """read_kv_rows for an extend, where the queries of a request share most of their rows: each
     distinct row is dequantized once (torch.unique: a host sync, so not for graphs)."""
     distinct, inverse = torch.unique(loc, return_inverse=True)
-    return read_kv(cache, distinct, page_size)[inverse]
+    return kv_layout.read_kv_rows(cache, distinct, page_size)[inverse]
 
 
 def attend(attn: Attention, q: torch.Tensor, qr: torch.Tensor, x: torch.Tensor,
@@ -126,7 +97,7 @@ def attend(attn: Attention, q: torch.Tensor, qr: torch.Tensor, x: torch.Tensor,
     layer's ``LayerCaches``."""
     n = q.shape[0]
     chunk = n if decode or n <= EXTEND_CHUNK else EXTEND_CHUNK
-    read = read_kv if decode else read_kv_shared
+    read = kv_layout.read_kv_rows if decode else read_kv_shared
     outs = []
     for start in range(0, n, chunk):
         rows = slice(start, min(n, start + chunk))

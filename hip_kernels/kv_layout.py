@@ -240,13 +240,21 @@ def read_kv_bytes(cache: torch.Tensor, loc: torch.Tensor, page_size: int):
 
 def read_kv_rows(cache: torch.Tensor, loc: torch.Tensor, page_size: int,
                  dialect: Fp8Dialect | None = None) -> torch.Tensor:
-    """Dequantized rows [N, 512] float32 read from a V4-layout cache at loc."""
+    """Dequantized rows float32 [*loc.shape, 512] of a V4-layout cache ([pages, page bytes]) at
+    loc (every loc >= 0). The one KV dequantizer: attention reads and tests use it. Whole rows
+    are gathered through [page, offset] views of the page bytes (one index entry per row), and
+    each tile is scaled by its power of two (exact)."""
     d = dialect or fp8_dialect()
-    values, scale_bytes = read_kv_bytes(cache, loc, page_size)
-    n = values.shape[0]
-    nope = values[:, :NOPE_DIM].contiguous().view(d.torch_dtype)
-    rope = values[:, NOPE_DIM:].contiguous().view(torch.bfloat16).view(n, ROPE_DIM)
-    return dequantize_kv_rows(nope, rope, scale_bytes[:, :N_TILES])
+    values = cache[:, :page_size * VALUE_BYTES].view(-1, page_size, VALUE_BYTES)
+    scales = cache[:, page_size * VALUE_BYTES:page_size * TOKEN_BYTES].view(
+        -1, page_size, SCALE_BYTES)
+    loc = loc.long()
+    page, off = loc // page_size, loc % page_size
+    v = values[page, off]
+    exp = scales[page, off][..., :N_TILES].to(torch.int32) - UE8M0_BIAS
+    nope = v[..., :NOPE_DIM].view(d.torch_dtype).float().unflatten(-1, (N_TILES, TILE))
+    nope = torch.ldexp(nope, exp.unsqueeze(-1).float()).flatten(-2)
+    return torch.cat([nope, v[..., NOPE_DIM:].view(torch.bfloat16).float()], -1)
 
 
 def quantize_indexer_rows(k: torch.Tensor, dialect: Fp8Dialect | None = None):
@@ -282,12 +290,12 @@ def write_indexer_bytes(cache: torch.Tensor, loc: torch.Tensor, page_size: int,
 
 def read_indexer_rows(cache: torch.Tensor, loc: torch.Tensor, page_size: int,
                       dialect: Fp8Dialect | None = None) -> torch.Tensor:
-    """Dequantized indexer keys [N, 128] float32."""
+    """Dequantized indexer keys float32 [*loc.shape, 128] of an indexer cache ([pages, page
+    bytes]: page = [P x 128 fp8][P x 4 fp32 scale]) at loc (every loc >= 0)."""
     d = dialect or fp8_dialect()
-    loc = loc.to(torch.int64)
-    base = (loc // page_size) * indexer_page_bytes(page_size)
-    t = loc % page_size
-    flat = cache.view(-1)
-    q = flat[_byte_index(base + t * INDEX_DIM, INDEX_DIM)].contiguous().view(d.torch_dtype)
-    scale = flat[_byte_index(base + page_size * INDEX_DIM + t * 4, 4)].contiguous().view(torch.float32)
-    return q.float() * scale
+    values = cache[:, :page_size * INDEX_DIM].view(-1, page_size, INDEX_DIM)
+    scales = cache[:, page_size * INDEX_DIM:page_size * (INDEX_DIM + 4)].view(-1, page_size, 4)
+    loc = loc.long()
+    page, off = loc // page_size, loc % page_size
+    q = values[page, off].view(d.torch_dtype).float()
+    return q * scales[page, off].view(torch.float32)
