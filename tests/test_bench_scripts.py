@@ -25,6 +25,7 @@ DECODE_ROW_KEYS = {"config", "env", "concurrency", "context_len", "new_tokens", 
                    "itl_ms_p50", "itl_ms_p90", "itl_ms_mean", "prefill_ms", "decode_tokens_per_s",
                    "e2e_tokens_per_s", "swa_translations_per_step", "swa_cache_hits_per_step",
                    "graph_used", "flags", "itl_p50_vs_default", "step_ops", "step_syncs",
+                   "step_device_syncs",
                    "forward_ops", "forward_syncs"}
 
 
