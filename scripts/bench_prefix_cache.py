@@ -85,8 +85,9 @@ def parse_args(argv=None):
     p.add_argument("--page-size", type=int, default=None,
                    help="page size in tokens (default 256; quick 128)")
     args = p.parse_args(argv)
-    bc.resolve_repetitions(args)
+    # Before the shared defaults, which would give --reps the timing scripts' 50.
     args.reps = args.reps or (1 if args.quick else 3)
+    bc.resolve_repetitions(args)
     args.fractions = args.fractions or ([0.0, 0.5, 1.0] if args.quick
                                         else [0.0, 0.25, 0.5, 0.75, 1.0])
     args.prompt_len = args.prompt_len or (256 if args.quick else 1024)

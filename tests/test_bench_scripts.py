@@ -211,6 +211,7 @@ def test_prefix_cache_saves_prefill_time_in_proportion_to_hits(tmp_path):
     assert proc.returncode == 0, proc.stderr
     record = json.loads(out.read_text())
     check_record(record, "bench_prefix_cache")
+    assert record["config"]["repetitions"] == 1  # --quick's documented default
     none, whole = record["results"]
     assert (none["hit_rate"], none["hit_tokens"]) == (0, 0)
     assert (whole["hit_rate"], whole["hit_tokens"], whole["prompt_tokens"]) == (0.5, 128, 256)
