@@ -18,3 +18,7 @@ REFUSE_NONFINITE_KV = bool_flag(
     "DSV4_REFUSE_NONFINITE_KV", False,
     "refuse K/V input holding NaN or inf before a byte is written (a host sync per op; skipped "
     "inside graph capture); off: such tiles are stored poisoned, as NaN bytes", PKG)
+NUMERICS = choice_flag(
+    "DSV4_NUMERICS", ("reference", "fp32"), "reference",
+    "rounding of the model: reference = as DeepSeek-V4's reference inference code (bf16 steps, "
+    "bit-exact with it for the same batch); fp32 = fp32 intermediates, stable across batches", PKG)

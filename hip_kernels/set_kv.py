@@ -61,8 +61,10 @@ def _check_q(q, n, dev):
 
 
 def _hip_ok(numerics: StoreNumerics, cache, has_weight: bool = True) -> bool:
-    """The HIP C++ kernels run the default numerics, with a weight, on contiguous caches."""
-    return numerics.is_default and cache.is_contiguous() and has_weight
+    """The HIP C++ kernels run the default numerics or the reference's (REFERENCE_NUMERICS),
+    with a weight, on contiguous caches."""
+    return (numerics in (DEFAULT_NUMERICS, L.REFERENCE_NUMERICS) and cache.is_contiguous()
+            and has_weight)
 
 
 def _check_numerics(numerics) -> StoreNumerics:

@@ -6,6 +6,10 @@ torch.ops.dsv4_set_kv; it is built once per machine (cached under TORCH_EXTENSIO
 ~/.cache/torch_extensions) and loaded once per process. Without a GPU, a compiler or a
 successful build, `available()` is False and `unavailable_reason()` says why; calling an op
 then raises BackendUnavailable with that reason. Nothing is built at import.
+
+Numerics: the kernels run `StoreNumerics` with the default fields but for `rms` ("exact" or
+"device") and `q_mode` ("norm_rope" or "bf16_norm_rope"), so both DEFAULT_NUMERICS and
+REFERENCE_NUMERICS; `supports(numerics)` says which, the ops raise ValueError for the rest.
 """
 
 from __future__ import annotations
@@ -13,10 +17,12 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from .kv_layout import DEFAULT_NUMERICS, StoreNumerics
 from .platform import Fp8Dialect
 
 CSRC = Path(__file__).parent / "csrc"
@@ -102,13 +108,39 @@ def _weight(weight: torch.Tensor) -> torch.Tensor:
     return weight.float() if weight.dtype == torch.float16 else weight
 
 
+KERNEL_RMS_MODES = ("exact", "device")
+KERNEL_Q_MODES = ("norm_rope", "bf16_norm_rope")
+
+
+def supports(numerics: StoreNumerics) -> bool:
+    """Whether the kernels implement `numerics`: the defaults but for rms and q_mode."""
+    return (numerics.rms in KERNEL_RMS_MODES and numerics.q_mode in KERNEL_Q_MODES
+            and replace(numerics, rms=DEFAULT_NUMERICS.rms,
+                        q_mode=DEFAULT_NUMERICS.q_mode) == DEFAULT_NUMERICS)
+
+
+def _checked(numerics: StoreNumerics) -> StoreNumerics:
+    if not supports(numerics):
+        raise ValueError(f"the HIP set-KV kernels do not implement {numerics} (they take the "
+                         f"default numerics with rms in {KERNEL_RMS_MODES} and q_mode in "
+                         f"{KERNEL_Q_MODES})")
+    return numerics
+
+
 def fused_k_norm_rope_store(kv, weight, eps, freqs_cis, positions, out_loc, cache, page_size,
-                            q, dialect: Fp8Dialect) -> None:
+                            q, dialect: Fp8Dialect,
+                            numerics: StoreNumerics = DEFAULT_NUMERICS) -> None:
+    """numerics.rms: the KV row's norm; numerics.q_mode: the q heads' ("norm_rope" uses rms)."""
+    _checked(numerics)
     _ops().k_norm_rope_store(kv, _weight(weight), float(eps), torch.view_as_real(freqs_cis),
-                             positions, out_loc, cache, page_size, q, dialect.name == "fnuz")
+                             positions, out_loc, cache, page_size, q, dialect.name == "fnuz",
+                             numerics.rms, numerics.q_mode)
 
 
-def fused_store_cache(rows, cache, out_loc, page_size, dialect: Fp8Dialect) -> None:
+def fused_store_cache(rows, cache, out_loc, page_size, dialect: Fp8Dialect,
+                      numerics: StoreNumerics = DEFAULT_NUMERICS) -> None:
+    """Rows arrive normalized: rms and q_mode change nothing here."""
+    _checked(numerics)
     _ops().store_cache(rows, cache, out_loc, page_size, dialect.name == "fnuz")
 
 

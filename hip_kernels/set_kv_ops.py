@@ -17,7 +17,8 @@ from .kv_layout import StoreNumerics
 from .platform import DIALECTS
 
 LIBRARY = "dsv4"
-NUMERICS_ARGS = "bool round_to_bf16, float? fp8_max, float amax_floor, str q_mode"
+NUMERICS_ARGS = ("bool round_to_bf16, float? fp8_max, float amax_floor, str q_mode, "
+                 "str rms=\"exact\"")
 SCHEMAS = {
     "fused_k_norm_rope_store": (
         "Tensor kv, Tensor? weight, float eps, Tensor freqs_cis, Tensor positions, "
@@ -39,12 +40,13 @@ SCHEMAS = {
 
 
 def numerics_args(numerics: StoreNumerics) -> tuple:
-    return numerics.round_to_bf16, numerics.fp8_max, numerics.amax_floor, numerics.q_mode
+    return (numerics.round_to_bf16, numerics.fp8_max, numerics.amax_floor, numerics.q_mode,
+            numerics.rms)
 
 
-def _numerics_kwarg(round_to_bf16, fp8_max, amax_floor, q_mode) -> dict:
-    """The HIP C++ kernels take no numerics argument: they only run the default."""
-    numerics = StoreNumerics(round_to_bf16, fp8_max, amax_floor, q_mode)
+def _numerics_kwarg(*args) -> dict:
+    """The HIP C++ kernels take no numerics argument when they run the default."""
+    numerics = StoreNumerics(*args)
     return {} if numerics.is_default else {"numerics": numerics}
 
 

@@ -3,7 +3,8 @@
 Numerics every backend reproduces (so fused and unfused paths write identical bytes):
 - RMSNorm: the sum of squares of bf16 inputs is accumulated in fp64 (exact, so independent of
   reduction order), divided by the width, rounded to fp32; r = 1 / sqrt_rn(ms + eps) in fp32;
-  y = bf16(weight * (x * r)).
+  y = bf16(weight * (x * r)). With StoreNumerics.rms "device", r = rsqrt(fp32 mean + eps) as
+  the device computes them (the reference's), whose last bits depend on the device.
 - RoPE on dims 448..511, interleaved pairs: (a, b) -> (a*c - b*d, a*d + b*c) in fp32 from the
   bf16 values, rounded to bf16.
 - FP8 quantization of the bf16 nope dims as in `kv_layout.quantize_kv_rows`.
@@ -22,15 +23,27 @@ from .kv_layout import DEFAULT_NUMERICS, StoreNumerics
 from .platform import Fp8Dialect
 
 
-def rms_norm_fp32(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim of a bf16 tensor, result fp32 (weight None = weightless)."""
+def rms_norm_fp32(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                 rms: str = "exact") -> torch.Tensor:
+    """RMSNorm over the last dim of a bf16 tensor, result fp32 (weight None = weightless).
+    rms "exact": the squares summed in fp64 (exact), a correctly rounded 1 / sqrt; "device":
+    torch's fp32 mean and rsqrt, as the reference."""
     xf = x.float()
-    ms = (xf.double().square().sum(-1, keepdim=True) / x.shape[-1]).float()
-    r = 1.0 / torch.sqrt(ms + torch.tensor(eps, dtype=torch.float32))
+    if rms == "device":
+        r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    else:
+        ms = (xf.double().square().sum(-1, keepdim=True) / x.shape[-1]).float()
+        r = 1.0 / torch.sqrt(ms + torch.tensor(eps, dtype=torch.float32))
     y = xf * r
     if weight is not None:
         y = weight.float() * y
     return y
+
+
+def rms_norm_bf16_ops(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """The reference's weightless q RMSNorm, each op rounded to bf16 in turn:
+    x * rsqrt(mean(x^2) + eps) with x^2, the mean, + eps, rsqrt and the product all bf16."""
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
 
 
 def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -59,7 +72,7 @@ def rope_fma_bf16(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
 
 
 def _norm_rope_rows(kv, weight, eps, freqs_cis, positions, numerics: StoreNumerics):
-    y = kv.float() if weight is None else rms_norm_fp32(kv, weight, eps)
+    y = kv.float() if weight is None else rms_norm_fp32(kv, weight, eps, numerics.rms)
     if numerics.round_to_bf16:
         y = y.to(torch.bfloat16)
     f = freqs_cis[positions.long()]
@@ -72,7 +85,10 @@ def _norm_rope_q(q, eps, f, numerics: StoreNumerics) -> None:
     if numerics.q_mode == "rope_only":
         q[..., L.NOPE_DIM:] = rope_fma_bf16(q[..., L.NOPE_DIM:], cos, sin)
         return
-    yq = rms_norm_fp32(q, None, eps)
+    if numerics.q_mode == "bf16_norm_rope":
+        yq = rms_norm_bf16_ops(q, eps)
+    else:
+        yq = rms_norm_fp32(q, None, eps, numerics.rms)
     if numerics.q_mode == "norm_rope":
         yq = yq.to(torch.bfloat16)
     rope = rope_bf16(yq[..., L.NOPE_DIM:], cos, sin)

@@ -16,7 +16,7 @@ from .kv_layout import DEFAULT_NUMERICS
 from .triton_kv_row import (AMAX_FLOOR, FP32_NAN, INDEX_DIM, LAUNCH_OPTIONS, N_TILES, NOPE_DIM,
                             SCALE_BYTES, canonical_nan_bf16, fp8_constexprs, indexer_offsets,
                             is_finite, load_nope, load_rope, nope_offsets, quantize_tiles,
-                            rms_inverse, rope_offsets, rotate_pairs, rotate_pairs_fma,
+                            bf16_rms_inverse, rms_inverse, rope_offsets, rotate_pairs, rotate_pairs_fma,
                             store_kv_row)
 
 
@@ -25,11 +25,11 @@ def _norm_rope_kv_row(kv_row, weight_ptr, eps, freq_row, freq_stride_pair, cache
                       PAGE_SIZE: tl.constexpr, PAGE_BYTES: tl.constexpr,
                       FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_NAN: tl.constexpr,
                       TILE_AMAX_FLOOR: tl.constexpr, ROUND_BF16: tl.constexpr,
-                      KV_NORM: tl.constexpr):
+                      KV_NORM: tl.constexpr, RMS_DEVICE: tl.constexpr):
     nope = load_nope(kv_row).to(tl.float32)
     rope = load_rope(kv_row + NOPE_DIM).to(tl.float32)
     if KV_NORM:
-        r = rms_inverse(nope, rope, eps)
+        r = rms_inverse(nope, rope, eps, RMS_DEVICE)
         w_nope = load_nope(weight_ptr).to(tl.float32)
         w_rope = load_rope(weight_ptr + NOPE_DIM).to(tl.float32)
         nope = w_nope * (nope * r)
@@ -50,16 +50,21 @@ def _rope_q_head(q_head, freq_row, freq_stride_pair):
 
 
 @triton.jit
-def _norm_rope_q_head(q_head, eps, freq_row, freq_stride_pair, ROUND_NORM: tl.constexpr):
-    """Weightless RMSNorm + RoPE of one q head [512] bf16, in place (ROUND_NORM: the norm is
-    rounded to bf16 before the RoPE; else the RoPE takes the fp32 norm)."""
+def _norm_rope_q_head(q_head, eps, freq_row, freq_stride_pair, Q_MODE: tl.constexpr,
+                      RMS_DEVICE: tl.constexpr):
+    """Weightless RMSNorm + RoPE of one q head [512] bf16, in place. Q_MODE (a Q_MODES index):
+    0 the fp32 norm rounded to bf16 before the RoPE; 1 the RoPE takes the fp32 norm; 3 the norm
+    op by op in bf16 (the reference's), then the RoPE of those bf16 values."""
     nope = load_nope(q_head).to(tl.float32)
     rope = load_rope(q_head + NOPE_DIM).to(tl.float32)
-    r = rms_inverse(nope, rope, eps)
+    if Q_MODE == 3:
+        r = bf16_rms_inverse(nope, rope, eps)
+    else:
+        r = rms_inverse(nope, rope, eps, RMS_DEVICE)
     offs, mask = nope_offsets()
     tl.store(q_head + offs, (nope * r).to(tl.bfloat16), mask=mask)
     rope = rope * r
-    if ROUND_NORM:
+    if Q_MODE != 1:
         rope = rope.to(tl.bfloat16).to(tl.float32)
     tl.store(q_head + NOPE_DIM + rope_offsets(), rotate_pairs(rope, freq_row, freq_stride_pair))
 
@@ -74,7 +79,8 @@ def norm_rope_store_kernel(kv_ptr, kv_stride, weight_ptr, eps, freq_ptr, freq_st
                            TRANSLATE: tl.constexpr,
                            HAS_SWA_OUT: tl.constexpr, HAS_Q: tl.constexpr,
                            TILE_AMAX_FLOOR: tl.constexpr, ROUND_BF16: tl.constexpr,
-                           KV_NORM: tl.constexpr, Q_MODE: tl.constexpr):
+                           KV_NORM: tl.constexpr, Q_MODE: tl.constexpr,
+                           RMS_DEVICE: tl.constexpr = False):
     """Grid (N, 1 + H): program (i, 0) normalizes (KV_NORM), rotates, quantizes and stores kv
     row i; program (i, h + 1) treats q[i, h] in place as Q_MODE says (Q_MODES index), whatever
     row i's location. With TRANSLATE, loc_ptr holds full-pool locations mapped through
@@ -96,14 +102,14 @@ def norm_rope_store_kernel(kv_ptr, kv_stride, weight_ptr, eps, freq_ptr, freq_st
             keep = (loc >= 0) & (loc < num_slots)
         _norm_rope_kv_row(kv_ptr + row * kv_stride, weight_ptr, eps, freq_row, freq_stride_pair,
                           cache_ptr, loc, keep, PAGE_SIZE, PAGE_BYTES, FP8, FP8_MAX, FP8_NAN,
-                          TILE_AMAX_FLOOR, ROUND_BF16, KV_NORM)
+                          TILE_AMAX_FLOOR, ROUND_BF16, KV_NORM, RMS_DEVICE)
     else:
         if HAS_Q:
             q_head = q_ptr + row * q_stride_row + (head - 1).to(tl.int64) * q_stride_head
             if Q_MODE == 2:
                 _rope_q_head(q_head, freq_row, freq_stride_pair)
             else:
-                _norm_rope_q_head(q_head, eps, freq_row, freq_stride_pair, Q_MODE == 0)
+                _norm_rope_q_head(q_head, eps, freq_row, freq_stride_pair, Q_MODE, RMS_DEVICE)
 
 
 def _launch_norm_rope(kv, weight, eps, freqs_cis, positions, loc, full_to_swa, swa_loc_out, cache,
@@ -128,7 +134,8 @@ def _launch_norm_rope(kv, weight, eps, freqs_cis, positions, loc, full_to_swa, s
         **fp8_constexprs(dialect, numerics.fp8_max_for(dialect)), TRANSLATE=translate,
         HAS_SWA_OUT=has_swa_out, HAS_Q=q is not None, TILE_AMAX_FLOOR=numerics.amax_floor,
         ROUND_BF16=numerics.round_to_bf16, KV_NORM=weight is not None,
-        Q_MODE=L.Q_MODES.index(numerics.q_mode), **LAUNCH_OPTIONS)
+        Q_MODE=L.Q_MODES.index(numerics.q_mode), RMS_DEVICE=numerics.rms == "device",
+        **LAUNCH_OPTIONS)
 
 
 def fused_k_norm_rope_store(kv, weight, eps, freqs_cis, positions, out_loc, cache, page_size,

@@ -46,7 +46,8 @@ def _variants(dialect):
     def numerics(n=L.DEFAULT_NUMERICS):
         return {**fp8_constexprs(dialect, n.fp8_max_for(dialect)),
                 "TILE_AMAX_FLOOR": n.amax_floor, "ROUND_BF16": n.round_to_bf16,
-                "KV_NORM": True, "Q_MODE": L.Q_MODES.index(n.q_mode)}
+                "KV_NORM": True, "Q_MODE": L.Q_MODES.index(n.q_mode),
+                "RMS_DEVICE": n.rms == "device"}
 
     def norm_rope_variant(translate, has_swa_out, has_q, n=L.DEFAULT_NUMERICS, kv_norm=True):
         flags = {"TRANSLATE": translate, "HAS_SWA_OUT": has_swa_out, "HAS_Q": has_q}
@@ -58,6 +59,8 @@ def _variants(dialect):
     return {
         "fused_k_norm_rope_store": norm_rope_variant(False, False, False),
         "fused_k_norm_rope_store+q": norm_rope_variant(False, False, True),
+        "fused_k_norm_rope_store+q (reference)": norm_rope_variant(
+            False, False, True, L.REFERENCE_NUMERICS),
         "fused_k_norm_rope_store+q (fp32, q rope only)": norm_rope_variant(
             False, False, True, host),
         "fused_k_norm_rope_store+q (normed kv, q fp32)": norm_rope_variant(

@@ -112,14 +112,30 @@ def load_rope(rope_ptr):
 
 
 @triton.jit
-def rms_inverse(nope, rope, eps):
-    """1 / sqrt_rn(mean(x^2) + eps) in fp32. The sum of squares of bf16 values is taken in fp64,
-    where it is exact (16-bit squares), so it does not depend on the reduction order."""
+def rms_inverse(nope, rope, eps, RMS_DEVICE: tl.constexpr = False):
+    """1 / rms of a 512-wide row given as fp32 nope [448] and rope [64] values of bf16 inputs.
+    Exact (RMS_DEVICE False): 1 / sqrt_rn(mean(x^2) + eps), the sum of squares taken in fp64,
+    where it is exact (16-bit squares), so it does not depend on the reduction order. Device:
+    rsqrt(fp32 mean + eps), the reference's, in this device's summation order and rsqrt."""
+    if RMS_DEVICE:
+        ms = (tl.sum(nope * nope) + tl.sum(rope * rope)) / HEAD_DIM
+        return tl.math.rsqrt(ms + eps)
     n64 = nope.to(tl.float64)
     r64 = rope.to(tl.float64)
     ss = tl.sum(n64 * n64) + tl.sum(r64 * r64)
     ms = (ss / HEAD_DIM).to(tl.float32)
     return tl.div_rn(tl.full([], 1.0, tl.float32), tl.sqrt_rn(ms + eps))
+
+
+@triton.jit
+def bf16_rms_inverse(nope, rope, eps):
+    """The reference's weightless q norm factor, each op rounded to bf16: rsqrt(bf16(mean of
+    bf16(x^2)) + eps), of fp32 nope/rope values of bf16 inputs; returned as bf16 in fp32."""
+    nope_sq = (nope * nope).to(tl.bfloat16).to(tl.float32)
+    rope_sq = (rope * rope).to(tl.bfloat16).to(tl.float32)
+    ms = ((tl.sum(nope_sq) + tl.sum(rope_sq)) / HEAD_DIM).to(tl.bfloat16).to(tl.float32)
+    ms = (ms + eps).to(tl.bfloat16).to(tl.float32)
+    return tl.math.rsqrt(ms).to(tl.bfloat16).to(tl.float32)
 
 
 @triton.jit

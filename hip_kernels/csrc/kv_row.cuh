@@ -1,6 +1,7 @@
 // The work on one 512-wide row, split into the per-lane phases between the group reductions:
 //
-//   load_lane      bf16 -> float, partial fp64 sum of squares      -> sum over all lanes
+//   load_lane      bf16 -> float, partial sum of squares           -> sum over all lanes
+//                  (fp64 for RmsMode::kExact, else fp32: lane_squares_* and rms_inverse_of)
 //   finish_lane    RMSNorm (+weight) and RoPE, partial nope amax   -> max over each 64-wide tile
 //   store_lane     FP8 + ue8m0 scales + bf16 RoPE into the cache, or the row back into q
 //
@@ -28,6 +29,7 @@ struct RowJob {
   uint8_t* scales = nullptr;        // ... and its 8 scale bytes
   const void* weight = nullptr;     // nullptr: weightless RMSNorm (q)
   const float* freqs = nullptr;     // cos/sin of the row's position; nullptr: no norm, no RoPE
+  RmsMode rms = RmsMode::kExact;    // how its 1 / rms is computed (with freqs only)
 };
 
 DSV4_HD int64_t items_of(const SetKvParams& p) { return p.num_rows * (1 + p.num_heads); }
@@ -64,6 +66,7 @@ DSV4_HD bool make_job(const SetKvParams& p, int64_t item, int64_t slot, RowJob& 
   const int64_t head = item % (1 + p.num_heads);
   if (p.normalize) job.freqs = p.freqs + read_index(p.positions, row) * p.freqs_row_stride;
   if (head > 0) {
+    job.rms = p.q_rms;
     job.src = job.q_out = p.q + row * p.q_row_stride + (head - 1) * p.q_head_stride;
     return true;
   }
@@ -73,6 +76,7 @@ DSV4_HD bool make_job(const SetKvParams& p, int64_t item, int64_t slot, RowJob& 
   job.values = p.cache + page * p.page_bytes + in_page * kValueBytes;
   job.scales = p.cache + page * p.page_bytes + p.page_size * kValueBytes + in_page * kScaleBytes;
   job.weight = p.weight;
+  job.rms = p.kv_rms;
   return true;
 }
 
@@ -84,17 +88,43 @@ struct Lane {
   static_assert(kHeadDim % LANES == 0 && kEpt % 4 == 0 && kTile % kEpt == 0, "lane split");
 };
 
-// Phase 1: the lane's elements as floats; returns its part of the sum of squares (exact in fp64).
+// Phase 1: the lane's elements as floats.
 template <int LANES>
-DSV4_HD double load_lane(const RowJob& job, int lane, float* x) {
+DSV4_HD void load_lane(const RowJob& job, int lane, float* x) {
   constexpr int kEpt = Lane<LANES>::kEpt;
+DSV4_UNROLL
+  for (int i = 0; i < kEpt; ++i) x[i] = bf16_to_float(job.src[lane * kEpt + i]);
+}
+
+// The lane's part of the sum of squares for RmsMode::kExact: exact in fp64 (16-bit squares), so
+// the order of the sum over the lanes does not matter.
+template <int LANES>
+DSV4_HD double lane_squares_exact(const float* x) {
   double sum = 0.0;
 DSV4_UNROLL
-  for (int i = 0; i < kEpt; ++i) {
-    x[i] = bf16_to_float(job.src[lane * kEpt + i]);
-    sum += double(x[i]) * double(x[i]);
+  for (int i = 0; i < Lane<LANES>::kEpt; ++i) sum += double(x[i]) * double(x[i]);
+  return sum;
+}
+
+// The lane's part of the sum of squares for the other modes: an fp32 sum in element order, of
+// the squares (exact in fp32: bf16 inputs) rounded to bf16 first for RmsMode::kBf16Ops. The
+// lane sums are then added in the butterfly order of the wavefront reduction: for
+// m = LANES/2, ..., 1 every lane l takes s[l] + s[l ^ m] (commutative, so all lanes agree).
+template <int LANES>
+DSV4_HD float lane_squares_fp32(const float* x, RmsMode mode) {
+  float sum = 0.0f;
+DSV4_UNROLL
+  for (int i = 0; i < Lane<LANES>::kEpt; ++i) {
+    const float sq = mul_rn(x[i], x[i]);
+    sum = add_rn(sum, mode == RmsMode::kBf16Ops ? round_bf16(sq) : sq);
   }
   return sum;
+}
+
+// 1 / rms of a row whose fp32 sum of squares (lane_squares_fp32, reduced) is `sum`.
+DSV4_HD float rms_inverse_of(RmsMode mode, float sum, float eps) {
+  return mode == RmsMode::kBf16Ops ? rms_inverse_bf16_ops(sum, kHeadDim, eps)
+                                   : rms_inverse_device(sum, kHeadDim, eps);
 }
 
 DSV4_HD float weight_at(const void* w, bool bf16, int i) {

@@ -107,6 +107,30 @@ DSV4_HD float rms_inverse(double sum_squares, int width, float eps) {
   return div_rn(1.0f, sqrt_rn(add_rn(mean_square, eps)));
 }
 
+// The fp32 1 / sqrt of the "device" modes below: IEEE 1 / sqrt_rn (div_rn of sqrt_rn), not the
+// hardware rsqrt (v_rsq_f32, about 1 ulp). The reference's last bits depend on the device's
+// summation order and rsqrt anyway, so this picks the variant that gives the same bits on every
+// GPU and in the host harness, and equals torch's CPU rsqrt (also 1 / sqrt, both IEEE), so the
+// tests can hold the kernel to exact bytes. For bf16 inputs rounded to bf16 (q_mode
+// "bf16_norm_rope") the choice does not matter: over every positive bf16 value, any result
+// within 1 ulp of the correctly rounded fp32 rsqrt rounds to the same bf16.
+DSV4_HD float rsqrt_rn(float x) { return div_rn(1.0f, sqrt_rn(x)); }
+
+// StoreNumerics.rms "device": 1 / sqrt(fp32 mean(x^2) + eps) from the fp32 sum of squares of a
+// 512-wide row, in the order the caller summed it. width is a power of two, so the division
+// is exact (correctly rounded where the mean is subnormal).
+DSV4_HD float rms_inverse_device(float sum_squares, int width, float eps) {
+  return rsqrt_rn(add_rn(div_rn(sum_squares, float(width)), eps));
+}
+
+// q_mode "bf16_norm_rope": the reference's weightless q norm factor with every op rounded to
+// bf16 in turn, from the fp32 sum of the bf16-rounded squares: r = bf16(1 / sqrt(m2)) with
+// m2 = bf16(ms + eps), ms = bf16(sum / width). Returned as a bf16 value in a float.
+DSV4_HD float rms_inverse_bf16_ops(float sum_bf16_squares, int width, float eps) {
+  const float mean_square = round_bf16(div_rn(sum_bf16_squares, float(width)));
+  return round_bf16(rsqrt_rn(round_bf16(add_rn(mean_square, eps))));
+}
+
 DSV4_HD float abs_f(float x) { return bits_float(float_bits(x) & 0x7fffffffu); }
 
 DSV4_HD float max_f(float a, float b) { return a > b ? a : b; }

@@ -8,6 +8,8 @@
 #include <c10/util/Exception.h>
 
 #include <optional>
+#include <string>
+#include <string_view>
 
 #include "set_kv_params.h"
 
@@ -86,12 +88,28 @@ inline void set_norm_rope(SetKvParams& p, const at::Tensor& kv, const at::Tensor
   p.positions = index_array(positions, "positions", kv, p.num_rows);
 }
 
+// StoreNumerics.rms and .q_mode -> the norms of the KV row and of the q heads. The kernel runs
+// rms "exact" | "device" with q_mode "norm_rope" | "bf16_norm_rope" (its other numerics fields
+// are the defaults: hip_kernels/set_kv_hip.py refuses the rest).
+inline void set_rms_modes(SetKvParams& p, std::string_view rms, std::string_view q_mode) {
+  TORCH_CHECK(rms == "exact" || rms == "device", "rms must be 'exact' or 'device', got '",
+              std::string(rms), "'");
+  TORCH_CHECK(q_mode == "norm_rope" || q_mode == "bf16_norm_rope",
+              "q_mode must be 'norm_rope' or 'bf16_norm_rope' for this kernel, got '",
+              std::string(q_mode), "'");
+  p.kv_rms = rms == "device" ? RmsMode::kDevice : RmsMode::kExact;
+  p.q_rms = q_mode == "bf16_norm_rope" ? RmsMode::kBf16Ops : p.kv_rms;
+}
+
 inline SetKvParams k_norm_rope_store_params(const at::Tensor& kv, const at::Tensor& weight,
                                             double eps, const at::Tensor& freqs,
                                             const at::Tensor& positions, const at::Tensor& out_loc,
                                             const at::Tensor& cache, int64_t page_size,
-                                            const std::optional<at::Tensor>& q) {
+                                            const std::optional<at::Tensor>& q,
+                                            std::string_view rms = "exact",
+                                            std::string_view q_mode = "norm_rope") {
   SetKvParams p;
+  set_rms_modes(p, rms, q_mode);
   set_norm_rope(p, kv, weight, eps, freqs, positions);
   p.loc = index_array(out_loc, "out_loc", kv, p.num_rows);
   set_cache(p, cache, page_size, kv);

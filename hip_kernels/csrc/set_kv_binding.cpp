@@ -19,8 +19,12 @@ void launch(const SetKvParams& p, const at::Tensor& anchor, bool fnuz) {
 void k_norm_rope_store(const at::Tensor& kv, const at::Tensor& weight, double eps,
                        const at::Tensor& freqs, const at::Tensor& positions,
                        const at::Tensor& out_loc, const at::Tensor& cache, int64_t page_size,
-                       const std::optional<at::Tensor>& q, bool fnuz) {
-  launch(k_norm_rope_store_params(kv, weight, eps, freqs, positions, out_loc, cache, page_size, q),
+                       const std::optional<at::Tensor>& q, bool fnuz, c10::string_view rms,
+                       c10::string_view q_mode) {
+  // c10::string_view is std::string_view only in newer torch: convert explicitly
+  launch(k_norm_rope_store_params(kv, weight, eps, freqs, positions, out_loc, cache, page_size, q,
+                                  std::string_view(rms.data(), rms.size()),
+                                  std::string_view(q_mode.data(), q_mode.size())),
          kv, fnuz);
 }
 
@@ -44,7 +48,8 @@ void translate_norm_rope_store(const at::Tensor& kv, const at::Tensor& weight, d
 
 TORCH_LIBRARY(dsv4_set_kv, m) {
   m.def("k_norm_rope_store(Tensor kv, Tensor weight, float eps, Tensor freqs, Tensor positions, "
-        "Tensor out_loc, Tensor(a!) cache, int page_size, Tensor(b!)? q, bool fnuz) -> ()");
+        "Tensor out_loc, Tensor(a!) cache, int page_size, Tensor(b!)? q, bool fnuz, "
+        "str rms=\"exact\", str q_mode=\"norm_rope\") -> ()");
   m.def("store_cache(Tensor rows, Tensor(a!) cache, Tensor out_loc, int page_size, bool fnuz) "
         "-> ()");
   m.def("translate_norm_rope_store(Tensor kv, Tensor weight, float eps, Tensor freqs, "

@@ -38,12 +38,21 @@ __global__ void __launch_bounds__(kThreads) set_kv_kernel(const SetKvParams p) {
   if (!make_job(p, item, item_slot(p, item, lane), job)) return;
 
   float x[Lane<kLanes>::kEpt];
-  double sum_squares = load_lane<kLanes>(job, lane, x);
+  load_lane<kLanes>(job, lane, x);
   float inv_rms = 0.0f;
-  if (job.freqs != nullptr) {
+  // job.rms is the same on every lane of the group (one item per group): no divergence.
+  if (job.freqs != nullptr && job.rms == RmsMode::kExact) {
+    double sum_squares = lane_squares_exact<kLanes>(x);
 #pragma unroll
     for (int m = kLanes / 2; m > 0; m /= 2) sum_squares += shfl_xor(sum_squares, m);
     inv_rms = rms_inverse(sum_squares, kHeadDim, p.eps);
+  } else if (job.freqs != nullptr) {
+    float sum_squares = lane_squares_fp32<kLanes>(x, job.rms);
+#pragma unroll
+    for (int m = kLanes / 2; m > 0; m /= 2) {
+      sum_squares = add_rn(sum_squares, shfl_xor(sum_squares, m));
+    }
+    inv_rms = rms_inverse_of(job.rms, sum_squares, p.eps);
   }
   float amax = finish_lane<kLanes>(job, p, lane, inv_rms, x);
 #pragma unroll

@@ -18,6 +18,13 @@ constexpr int kUe8m0Bias = 127;
 constexpr float kAmaxFloor = 1e-4f;
 constexpr uint8_t kPoisonScale = 0xff;  // scale byte of a tile with a NaN or inf (ue8m0 NaN)
 
+// How a row's 1 / rms is computed (StoreNumerics.rms and q_mode in hip_kernels/kv_layout.py).
+enum class RmsMode : int32_t {
+  kExact = 0,    // rms "exact": fp64 sum of squares (exact), correctly rounded 1 / sqrt
+  kDevice = 1,   // rms "device": fp32 sum of squares in the kernel's order, fp32 1 / sqrt
+  kBf16Ops = 2,  // q_mode "bf16_norm_rope": every op of the weightless norm rounded to bf16
+};
+
 // A strided int32 or int64 vector (positions, locations, the full->SWA map).
 struct IndexArray {
   const void* data = nullptr;
@@ -53,6 +60,9 @@ struct SetKvParams {
   int64_t q_row_stride = 0;
   int64_t q_head_stride = 0;
   int64_t num_heads = 0;
+  // The norm of the KV row and of the q heads (REFERENCE_NUMERICS: kDevice and kBf16Ops).
+  RmsMode kv_rms = RmsMode::kExact;
+  RmsMode q_rms = RmsMode::kExact;
 };
 
 // Enqueues the kernel on `stream` (a cudaStream_t / hipStream_t). Returns nullptr, or the
