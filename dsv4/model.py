@@ -14,6 +14,8 @@ import logging
 import torch
 from torch import nn
 
+from hip_kernels import numerics
+
 from . import envs, streams
 from .attention_metadata import AttentionMetadata, build_attention_metadata
 from .config import ModelConfig
@@ -87,7 +89,7 @@ class DeepseekV4DecoderLayer(nn.Module):
         swa_loc = token_to_kv_pool.get_cached_swa_loc(batch.out_cache_loc, self.layer_id)
         token_to_kv_pool.set_swa_key_buffer_radix_fused_norm_rope(
             self.layer_id, swa_loc, kv, self.attn.kv_norm.weight, self.attn.eps, freqs_cis,
-            batch.positions, q=q)
+            batch.positions, q=q, numerics=numerics.store_numerics())
         return q, qr
 
     def _run_compressor(self, y, batch, meta, caches, freqs_cis):

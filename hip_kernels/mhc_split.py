@@ -18,15 +18,22 @@ from __future__ import annotations
 
 import torch
 
-from . import envs, set_kv_ops  # noqa: F401  (set_kv_ops defines the dsv4 library first)
+from . import envs, numerics, set_kv_ops  # noqa: F401  (set_kv_ops defines the library first)
 from .backend import BackendUnavailable, triton_usable
 
 LIBRARY = "dsv4"
 
 
 def sinkhorn_ref(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """Row softmax, then alternate column / row normalisation, ending on the columns."""
-    c = comb.softmax(-1) + eps
+    """Row softmax, then alternate column / row normalisation, ending on the columns. With
+    DSV4_NUMERICS=reference the softmax is written out, exp(c - max) / sum, a true division as
+    the reference (and the Triton kernel) computes it; fp32 keeps torch's softmax, which
+    multiplies by the reciprocal (about a quarter of values 1 ulp apart)."""
+    if numerics.is_reference():
+        e = torch.exp(comb - comb.amax(-1, keepdim=True))
+        c = e / e.sum(-1, keepdim=True) + eps
+    else:
+        c = comb.softmax(-1) + eps
     c = c / (c.sum(-2, keepdim=True) + eps)
     for _ in range(iters - 1):
         c = c / (c.sum(-1, keepdim=True) + eps)

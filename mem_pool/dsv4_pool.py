@@ -12,8 +12,8 @@ import logging
 
 import torch
 
-from hip_kernels import (fused_k_norm_rope_store, fused_store_cache, indexer_page_bytes,
-                         page_bytes, store_kv_pack)
+from hip_kernels import (DEFAULT_NUMERICS, fused_k_norm_rope_store, fused_store_cache,
+                         indexer_page_bytes, page_bytes, store_kv_pack)
 from hip_kernels.capture import is_capturing
 from hip_kernels.checks import value_checks_enabled
 
@@ -233,10 +233,12 @@ class DeepSeekV4TokenToKVPool:
 
     def set_swa_key_buffer_radix_fused_norm_rope(self, layer_id: int, swa_loc: torch.Tensor, kv,
                                                  kv_weight, eps: float, freqs_cis, positions,
-                                                 q=None) -> None:
-        """RMSNorm + RoPE + quantize + store kv [N, 512] bf16 (and norm + RoPE q in place)."""
+                                                 q=None, numerics=DEFAULT_NUMERICS) -> None:
+        """RMSNorm + RoPE + quantize + store kv [N, 512] bf16 (and norm + RoPE q in place), with
+        the set-KV `numerics` (a hip_kernels.StoreNumerics)."""
         fused_k_norm_rope_store(kv, kv_weight, eps, freqs_cis, positions, swa_loc,
-                                self.get_swa_cache(layer_id), self.page_size, q=q)
+                                self.get_swa_cache(layer_id), self.page_size, q=q,
+                                numerics=numerics)
 
     # ---- host copies ----------------------------------------------------------------------
 

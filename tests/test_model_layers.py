@@ -125,7 +125,12 @@ def test_compressor_pool_matches_a_per_channel_loop(ratio):
         torch.testing.assert_close(out[m], (k * s.softmax(0)).sum(0))
 
 
-def test_attention_sink_only_enters_the_denominator():
+@pytest.mark.parametrize("mode", ["fp32", "reference"])
+def test_attention_sink_only_enters_the_denominator(flag_env, mode):
+    """fp32: the plain softmax with the sink's exp added to the denominator. reference (one
+    64-row block here): the numerator's probabilities exp(s - m) rounded to bf16, m the max
+    without the sink, the denominator their fp32 sum plus exp(sink - m)."""
+    flag_env(DSV4_NUMERICS=mode)
     torch.manual_seed(0)
     attn = Attention(TINY, 0, dtype=torch.float32)
     q, kv = torch.randn(2, 4, 512), torch.randn(2, 5, 512)
@@ -137,10 +142,14 @@ def test_attention_sink_only_enters_the_denominator():
         sunk = attn.sparse_attention(q, [kv], [valid])
     s = torch.einsum("nhd,nkd->nhk", q, kv) / math.sqrt(512)
     s = s.masked_fill(~valid[:, None], float("-inf"))
-    torch.testing.assert_close(plain, torch.einsum("nhk,nkd->nhd", s.softmax(-1), kv))
-    denom = s.exp().sum(-1) + attn.attn_sink.detach().exp()
-    want = torch.einsum("nhk,nkd->nhd", s.exp() / denom.unsqueeze(-1), kv)
-    torch.testing.assert_close(sunk, want)
+    m = s.amax(-1, keepdim=True)
+    p = (s - m).exp()
+    num = p.bfloat16().float() if mode == "reference" else p
+    for sink, got in ((None, plain), (attn.attn_sink.detach(), sunk)):
+        denom = p.sum(-1, keepdim=True)
+        if sink is not None:
+            denom = denom + (sink.view(1, -1, 1) - m).exp()
+        torch.testing.assert_close(got, torch.einsum("nhk,nkd->nhd", num / denom, kv))
 
 
 @pytest.mark.parametrize("layer_id", [0, 1])   # hash-routed, score-routed

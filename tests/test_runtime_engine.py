@@ -100,7 +100,11 @@ def test_the_pool_is_sized_from_a_byte_budget(model):
     ([], "must be a non-empty list of token ids"),
     ([7] * (MAX_LEN + 1), "exceed max_context_len=256"),
 ])
-def test_a_bad_request_fails_alone_and_the_others_complete_as_alone(model, bad, error):
+def test_a_bad_request_fails_alone_and_the_others_complete_as_alone(model, flag_env, bad, error):
+    """"As alone": the same tokens as without the batch mates, a property of DSV4_NUMERICS=fp32
+    (with the reference's roundings a request's output depends on its batch, as the reference's
+    own does)."""
+    flag_env(DSV4_NUMERICS="fp32")
     good = prompts([30, 45])
     engine = Engine(model, max_batch=4, max_context_len=MAX_LEN, page_size=PAGE, graph=False)
     alone = [engine.generate([p], 6).tokens[0] for p in good]

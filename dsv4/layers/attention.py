@@ -8,7 +8,8 @@ is the caller's business:
 2. ``project_kv``: ``wkv(x)`` [N, 512]; ``norm_rope_kv``: kv_norm, RoPE (the FP8 simulation of the
    nope dims is the cache's quantization at the store).
 3. ``sparse_attention``: one softmax over the gathered row segments (window, compressed) with the
-   head's sink in the denominator.
+   head's sink in the denominator (DSV4_NUMERICS=reference: in the reference kernel's row order
+   and 64-row blocks, bf16 probabilities in P.V; fp32: one pass, fp32 probabilities).
 4. ``project_out``: inverse RoPE on o[..., 448:], grouped low-rank ``wo_a``, then ``wo_b``.
 """
 
@@ -17,11 +18,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hip_kernels import numerics
+
 from .compressor import Compressor
 from .indexer import Indexer
 from .linear import Linear
 from .norm import RMSNorm, rms_norm
 from .rope import rope_tail
+
+
+ATTN_BLOCK = 64   # rows per block of the reference's sparse attention kernel
 
 
 class Attention(nn.Module):
@@ -73,6 +79,8 @@ class Attention(nn.Module):
         """q [N, H, 512]; kv: segments of dequantized rows [N, K_i, 512] with valid [N, K_i]
         (window, compressed) -> o [N, H, 512] in q's dtype, one softmax over all segments:
         p_j = exp(s_j - m) / (sum_k exp(s_k - m) + exp(sink_h - m))."""
+        if numerics.is_reference():
+            return self._sparse_attention_blocks(q, kv, valid)
         qf = q.float()
         scores = [torch.einsum("nhd,nkd->nhk", qf, rows.float()).mul_(self.softmax_scale)
                   .masked_fill_(~ok.unsqueeze(1), float("-inf")) for rows, ok in zip(kv, valid)]
@@ -85,6 +93,42 @@ class Attention(nn.Module):
             o = part if o is None else o + part
             start += rows.shape[1]
         return o.to(q.dtype)
+
+    def _sparse_attention_blocks(self, q, kv, valid):
+        """The same softmax as the reference's sparse attention kernel computes it: the rows in
+        its order (window rows valid first, oldest first, then the compressed rows), walked in
+        blocks of ``ATTN_BLOCK`` with an online softmax whose running max leaves the sink out;
+        the probabilities are rounded to bf16 for the P.V product (the denominator keeps fp32);
+        the sink joins the denominator after the last block; one rounding of the output."""
+        window, window_ok = kv[0], valid[0]
+        order = torch.argsort((~window_ok).to(torch.int8), dim=1, stable=True)
+        window = window.gather(1, order.unsqueeze(-1).expand(-1, -1, window.shape[-1]))
+        rows = torch.cat([window, *kv[1:]], 1).float()
+        ok = torch.cat([window_ok.gather(1, order), *valid[1:]], 1)
+        pad = -rows.shape[1] % ATTN_BLOCK
+        if pad:   # the kernel's last block is whole: padding rows keep its sums' shape
+            rows = torch.nn.functional.pad(rows, (0, 0, 0, pad))
+            ok = torch.nn.functional.pad(ok, (0, pad), value=False)
+        rows = rows.masked_fill(~ok.unsqueeze(-1), 0.0)
+        bias = torch.zeros(ok.shape, device=q.device).masked_fill_(~ok, float("-inf"))
+        n, h = q.shape[0], q.shape[1]
+        qf = q.float()
+        acc = q.new_zeros(n, h, q.shape[-1], dtype=torch.float32)
+        denom = q.new_zeros(n, h, dtype=torch.float32)
+        m = q.new_full((n, h), float("-inf"), dtype=torch.float32)
+        for b0 in range(0, rows.shape[1], ATTN_BLOCK):
+            r = rows[:, b0:b0 + ATTN_BLOCK]
+            s = (bias[:, None, b0:b0 + ATTN_BLOCK] + torch.einsum("nhd,nkd->nhk", qf, r)
+                 ) * self.softmax_scale
+            m_new = torch.maximum(m, s.amax(-1))
+            alpha = torch.exp(m - m_new)
+            p = torch.exp(s - m_new.unsqueeze(-1))
+            denom = denom * alpha + p.sum(-1)
+            acc = acc * alpha.unsqueeze(-1) + torch.einsum(
+                "nhk,nkd->nhd", p.to(torch.bfloat16).float(), r)
+            m = m_new
+        denom = denom + torch.exp(self.attn_sink.float().view(1, -1) - m)
+        return (acc / denom.unsqueeze(-1)).to(q.dtype)
 
     def project_out(self, o: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
         """[N, H, 512] -> [N, dim]: inverse RoPE, grouped wo_a, wo_b."""

@@ -4,12 +4,16 @@
 simulation; keys come from the indexer's own ratio-4 compressor (head_dim 128, same treatment).
 ``score[t] = sum_h relu(q_h . k_t) * w_h`` with ``w = weights_proj(x) * 128^-0.5 * Hi^-0.5``; the
 top ``index_topk`` visible rows are kept (all of them when there are no more than that).
+With DSV4_NUMERICS=reference the weights, the q.k products, the weighting and the head sum are
+each rounded to the model dtype (bf16), as the reference computes them; with fp32 they stay fp32.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from hip_kernels import numerics
 
 from .compressor import Compressor
 from .linear import Linear
@@ -38,13 +42,18 @@ class Indexer(nn.Module):
         return fp4_quant_dequant(hadamard_rotate(q))
 
     def head_weights(self, x: torch.Tensor) -> torch.Tensor:
-        """Per-head weights [N, Hi] fp32."""
-        return self.weights_proj(x).float() * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
+        """Per-head weights [N, Hi]: bf16 (the model dtype) in reference numerics, else fp32."""
+        w = self.weights_proj(x)
+        if not numerics.is_reference():
+            w = w.float()
+        return w * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
 
     @staticmethod
     def scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """q [N, Hi, 128], weights [N, Hi], keys [N, T, 128] -> fp32 [N, T]."""
-        s = torch.einsum("nhd,ntd->nht", q.float(), keys.float()).relu()
+        """q [N, Hi, 128], weights [N, Hi], keys [N, T, 128] -> scores [N, T] in weights' dtype
+        (every step rounded to it: q.k, relu, the weighting, the sum over heads)."""
+        dtype = weights.dtype
+        s = torch.einsum("nhd,ntd->nht", q.to(dtype), keys.to(dtype)).relu()
         return (s * weights.unsqueeze(-1)).sum(1)
 
     def select(self, scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:

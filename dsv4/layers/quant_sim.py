@@ -1,7 +1,9 @@
 """Quantization simulations the reference applies to activations (quantize, then dequantize).
 
 - FP4 e2m1 in 32-wide blocks with power-of-two scales: the indexer's q and compressed keys.
-- The Walsh-Hadamard rotation (scale d^-0.5) applied to the indexer's q and keys before FP4.
+- The Walsh-Hadamard rotation (scale d^-0.5) applied to the indexer's q and keys before FP4:
+  with DSV4_NUMERICS=reference as the reference's fast Hadamard transform computes it (radix-2
+  butterflies in fp32, then the scale, one rounding); with fp32, one fp32 product with H_d.
 (The FP8 simulation of KV rows is the cache's own quantization: ``hip_kernels.kv_layout``.)
 """
 
@@ -11,6 +13,7 @@ import functools
 
 import torch
 
+from hip_kernels import numerics
 from hip_kernels.kv_layout import pow2_ceil_exponent
 
 FP4_MAX = 6.0
@@ -46,8 +49,19 @@ def _hadamard(d: int, device: torch.device) -> torch.Tensor:
 
 
 def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
-    """x @ H_d * d^-0.5 over the last dim (Sylvester order, H symmetric), fp32 math, x's dtype."""
+    """x @ H_d * d^-0.5 over the last dim (Sylvester order, H symmetric), fp32 math, one rounding
+    to x's dtype. Reference numerics: butterflies of stride 1, 2, 4, ... on the fp32 values, then
+    times d^-0.5 in fp32; fp32 numerics: one fp32 GEMM with the scaled matrix."""
     d = x.shape[-1]
     if d & (d - 1):
         raise ValueError(f"hadamard_rotate needs a power-of-two last dim, got {d}")
-    return (x.float() @ _hadamard(d, x.device)).to(x.dtype)
+    if not numerics.is_reference():
+        return (x.float() @ _hadamard(d, x.device)).to(x.dtype)
+    y = x.float().reshape(-1, d)
+    stride = 1
+    while stride < d:
+        pairs = y.view(-1, d // (2 * stride), 2, stride)
+        low, high = pairs[:, :, 0], pairs[:, :, 1]
+        y = torch.stack([low + high, low - high], 2).reshape(-1, d)
+        stride *= 2
+    return (y * d ** -0.5).view(x.shape).to(x.dtype)
