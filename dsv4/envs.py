@@ -10,6 +10,11 @@ MULTI_STREAM_PREPARE = bool_flag(
 GRAPH = bool_flag(
     "DSV4_GRAPH", True,
     "capture and replay decode steps as graphs (HIP graphs on ROCm, emulated on CPU)", PKG)
+GRAPH_BATCH_SIZES = choice_flag(
+    "DSV4_GRAPH_BATCH_SIZES", ("pow2", "every"), "pow2",
+    "decode graphs captured: pow2 = batch 1, 2, 4, ... 64 (and max_batch), a batch replays the "
+    "next one up with padded rows; every = each batch size up to max_batch (no padding, so replay "
+    "gives eager's bits; more graphs to capture and hold)", PKG)
 GRAPH_BACKEND = choice_flag(
     "DSV4_GRAPH_BACKEND", ("auto", "cuda", "emulate"), "auto",
     "graph backend: auto = torch.cuda.CUDAGraph where a GPU exists, else the CPU emulation", PKG)

@@ -176,6 +176,9 @@ def test_capture_batch_sizes_are_bounded_by_max_batch():
     assert capture_batch_sizes(8) == [1, 2, 4, 8]
     assert capture_batch_sizes(6) == [1, 2, 4, 6]
     assert capture_batch_sizes(64) == capture_batch_sizes(100) == [1, 2, 4, 8, 16, 32, 64]
+    assert capture_batch_sizes(6, "every") == [1, 2, 3, 4, 5, 6]
+    with pytest.raises(ValueError, match="which must be 'pow2' or 'every'"):
+        capture_batch_sizes(6, "all")
 
 
 def test_capture_runs_largest_first_invalidating_before_every_run():

@@ -20,6 +20,14 @@ MAX_LEN, STEPS, SENTINEL = 192, 5, 0xA5
 LOGIT_ATOL = 0.1
 
 
+@pytest.fixture(autouse=True)
+def fp32_numerics(flag_env):
+    """Replay vs eager within LOGIT_ATOL and equal tokens is a property of DSV4_NUMERICS=fp32;
+    with the reference's bf16 roundings a padded graph's batch can flip a near-tied top-k pick
+    (test_numerics_reference holds what is true there: replay equals eager on the same batch)."""
+    flag_env(DSV4_NUMERICS="fp32")
+
+
 @pytest.fixture(scope="module")
 def model():
     return tiny_model(max_seq_len=MAX_LEN, seed=1)

@@ -43,16 +43,23 @@ CAPTURE_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 # Flags whose value changes the ops a decode graph contains.
 DECODE_GRAPH_FLAGS = (envs.MULTI_STREAM_PREPARE, pool_envs.CACHE_SWA_TRANSLATION,
-                      kernel_envs.KERNEL_BACKEND, kernel_envs.FP8_DIALECT)
+                      kernel_envs.KERNEL_BACKEND, kernel_envs.FP8_DIALECT, kernel_envs.NUMERICS)
 
 StaticInputs = dict[str, torch.Tensor]
 
 
-def capture_batch_sizes(max_batch: int) -> list[int]:
-    """CAPTURE_BATCH_SIZES up to max_batch, plus max_batch itself when it is smaller than the
-    largest, so every batch the engine admits fits a graph."""
+def capture_batch_sizes(max_batch: int, which: str = "pow2") -> list[int]:
+    """which "pow2": CAPTURE_BATCH_SIZES up to max_batch, plus max_batch itself when it is
+    smaller than the largest, so every batch the engine admits fits a graph; "every": 1 ..
+    max_batch, so no batch is padded (a padded batch runs its GEMMs on more rows, and a CPU or
+    GPU GEMM library may pick another kernel, and so another summation order, for another row
+    count: the live rows' bits can change)."""
     if max_batch < 1:
         raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    if which not in ("pow2", "every"):
+        raise ValueError(f"which must be 'pow2' or 'every', got {which!r}")
+    if which == "every":
+        return list(range(1, max_batch + 1))
     sizes = [bs for bs in CAPTURE_BATCH_SIZES if bs <= max_batch]
     if max_batch < CAPTURE_BATCH_SIZES[-1] and sizes[-1] != max_batch:
         sizes.append(max_batch)
@@ -71,7 +78,7 @@ class GraphRunner:
         self.graph_flags = tuple(graph_flags)
         self.pad_values = dict(pad_values or {})
         self.backend = backend or select_backend()
-        self.batch_sizes = capture_batch_sizes(max_batch)
+        self.batch_sizes = capture_batch_sizes(max_batch, envs.GRAPH_BATCH_SIZES.get())
         self.static = make_static_inputs(self.max_batch)
         for name, buf in self.static.items():
             if buf.shape[0] != self.max_batch:
