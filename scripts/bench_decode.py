@@ -8,8 +8,8 @@ removed (all defaults), then set their configuration's flags.
 
 Configurations: "default" (no flag set), then one flag flipped at a time (DSV4_GRAPH=0,
 DSV4_CACHE_SWA_TRANSLATION=0, DSV4_MULTI_STREAM_PREPARE=1), the cache and multi-stream flips
-again in eager mode, and on a GPU each DSV4_KERNEL_BACKEND (torch, triton, hip; on a CPU only the
-torch path runs, so those are skipped). --quick runs the first four.
+and DSV4_NUMERICS=fp32 in eager mode, and on a GPU each DSV4_KERNEL_BACKEND (torch, triton,
+hip; on a CPU only the torch path runs, so those are skipped). --quick runs the first four.
 
 Model: on a CPU the tiny preset (all its layers); on a GPU the flash preset cut to --layers
 layers (default 4; Flash/Pro-shaped layers, seeded random weights), optionally with fewer routed
@@ -61,7 +61,8 @@ import bench_common as bc
 
 FLAG_FLIPS = (("DSV4_GRAPH", "0"), ("DSV4_CACHE_SWA_TRANSLATION", "0"),
               ("DSV4_MULTI_STREAM_PREPARE", "1"))
-EAGER_FLIPS = (("DSV4_CACHE_SWA_TRANSLATION", "0"), ("DSV4_MULTI_STREAM_PREPARE", "1"))
+EAGER_FLIPS = (("DSV4_CACHE_SWA_TRANSLATION", "0"), ("DSV4_MULTI_STREAM_PREPARE", "1"),
+               ("DSV4_NUMERICS", "fp32"))
 KERNEL_BACKENDS = ("torch", "triton", "hip")
 RESULT, MODEL = "RESULT ", "MODEL "
 

@@ -210,3 +210,24 @@ def test_routed_experts_are_stacked_but_named_per_expert():
     other = DeepseekV4Model(TINY)
     other.load_state_dict({k: v.clone() for k, v in sd.items()})
     assert torch.equal(other.layers[1].ffn.experts.w2, experts.w2)
+
+
+def test_reference_hadamard_is_the_textbook_butterfly_in_fp32(flag_env):
+    """DSV4_NUMERICS=reference: the fast Walsh-Hadamard transform's order (half-length h = 1,
+    2, 4, ...: y[j], y[j + h] <- y[j] + y[j + h], y[j] - y[j + h], each sum rounded to fp32),
+    then times d^-0.5, one rounding to bf16. The fp32 mode's single GEMM differs somewhere
+    (72 of these 524,288 values on this CPU)."""
+    flag_env(DSV4_NUMERICS="reference")
+    x = torch.randn(4096, 128, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    y = [x[:, j].float() for j in range(128)]
+    h = 1
+    while h < 128:
+        for i in range(0, 128, 2 * h):
+            for j in range(i, i + h):
+                y[j], y[j + h] = y[j] + y[j + h], y[j] - y[j + h]
+        h *= 2
+    want = (torch.stack(y, 1) * 128 ** -0.5).to(torch.bfloat16)
+    got = hadamard_rotate(x)
+    assert torch.equal(got, want)
+    flag_env(DSV4_NUMERICS="fp32")
+    assert not torch.equal(hadamard_rotate(x), got)

@@ -15,6 +15,8 @@ is the caller's business:
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -99,35 +101,37 @@ class Attention(nn.Module):
         its order (window rows valid first, oldest first, then the compressed rows), walked in
         blocks of ``ATTN_BLOCK`` with an online softmax whose running max leaves the sink out;
         the probabilities are rounded to bf16 for the P.V product (the denominator keeps fp32);
-        the sink joins the denominator after the last block; one rounding of the output."""
+        the sink joins the denominator after the last block; one rounding of the output.
+
+        Only the two running sums are sequential over blocks: the scores, each block's max
+        (the running max is their cumulative max), the probabilities and every block's P.V
+        product are computed for all blocks at once, giving the same values as block by block."""
         window, window_ok = kv[0], valid[0]
         order = torch.argsort((~window_ok).to(torch.int8), dim=1, stable=True)
         window = window.gather(1, order.unsqueeze(-1).expand(-1, -1, window.shape[-1]))
-        rows = torch.cat([window, *kv[1:]], 1).float()
+        rows = torch.cat([window, *kv[1:]], 1)
         ok = torch.cat([window_ok.gather(1, order), *valid[1:]], 1)
         pad = -rows.shape[1] % ATTN_BLOCK
         if pad:   # the kernel's last block is whole: padding rows keep its sums' shape
             rows = torch.nn.functional.pad(rows, (0, 0, 0, pad))
             ok = torch.nn.functional.pad(ok, (0, pad), value=False)
-        rows = rows.masked_fill(~ok.unsqueeze(-1), 0.0)
-        bias = torch.zeros(ok.shape, device=q.device).masked_fill_(~ok, float("-inf"))
-        n, h = q.shape[0], q.shape[1]
-        qf = q.float()
-        acc = q.new_zeros(n, h, q.shape[-1], dtype=torch.float32)
+        rows = rows.float().masked_fill(~ok.unsqueeze(-1), 0.0)
+        n, h, d = q.shape
+        blocks = rows.shape[1] // ATTN_BLOCK
+        s = torch.bmm(q.float(), rows.transpose(1, 2)).masked_fill(~ok.unsqueeze(1), -math.inf)
+        s = (s * self.softmax_scale).view(n, h, blocks, ATTN_BLOCK)
+        m = torch.cummax(s.amax(-1), dim=-1).values                    # [n, h, blocks]
+        alpha = torch.exp(torch.nn.functional.pad(m, (1, -1), value=-math.inf) - m)
+        p = torch.exp(s - m.unsqueeze(-1))
+        p_sum = p.sum(-1)
+        pv = torch.einsum("nhbk,nbkd->nhbd", p.to(torch.bfloat16).float(),
+                          rows.view(n, blocks, ATTN_BLOCK, d))
+        acc = q.new_zeros(n, h, d, dtype=torch.float32)
         denom = q.new_zeros(n, h, dtype=torch.float32)
-        m = q.new_full((n, h), float("-inf"), dtype=torch.float32)
-        for b0 in range(0, rows.shape[1], ATTN_BLOCK):
-            r = rows[:, b0:b0 + ATTN_BLOCK]
-            s = (bias[:, None, b0:b0 + ATTN_BLOCK] + torch.einsum("nhd,nkd->nhk", qf, r)
-                 ) * self.softmax_scale
-            m_new = torch.maximum(m, s.amax(-1))
-            alpha = torch.exp(m - m_new)
-            p = torch.exp(s - m_new.unsqueeze(-1))
-            denom = denom * alpha + p.sum(-1)
-            acc = acc * alpha.unsqueeze(-1) + torch.einsum(
-                "nhk,nkd->nhd", p.to(torch.bfloat16).float(), r)
-            m = m_new
-        denom = denom + torch.exp(self.attn_sink.float().view(1, -1) - m)
+        for b in range(blocks):
+            denom = denom * alpha[..., b] + p_sum[..., b]
+            acc = acc * alpha[..., b, None] + pv[:, :, b]
+        denom = denom + torch.exp(self.attn_sink.float().view(1, -1) - m[..., -1])
         return (acc / denom.unsqueeze(-1)).to(q.dtype)
 
     def project_out(self, o: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:

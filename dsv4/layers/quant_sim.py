@@ -57,11 +57,11 @@ def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"hadamard_rotate needs a power-of-two last dim, got {d}")
     if not numerics.is_reference():
         return (x.float() @ _hadamard(d, x.device)).to(x.dtype)
-    y = x.float().reshape(-1, d)
-    stride = 1
-    while stride < d:
-        pairs = y.view(-1, d // (2 * stride), 2, stride)
-        low, high = pairs[:, :, 0], pairs[:, :, 1]
-        y = torch.stack([low + high, low - high], 2).reshape(-1, d)
-        stride *= 2
+    levels = d.bit_length() - 1
+    # index bits as dims, most significant first: the butterfly of stride 2^l pairs the two
+    # halves of dim (levels - l)
+    y = x.float().reshape(-1, *(2,) * levels)
+    for dim in range(levels, 0, -1):
+        low, high = y.unbind(dim)
+        y = torch.stack([low + high, low - high], dim)
     return (y * d ** -0.5).view(x.shape).to(x.dtype)
