@@ -10,6 +10,7 @@ compressed rows (``dsv4.paged_attention``), mHC post, and the MoE half.
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 from torch import nn
@@ -39,6 +40,7 @@ class DeepseekV4DecoderLayer(nn.Module):
         self.layer_id = layer_id
         self.config = cfg
         self.compress_ratio = cfg.layer_ratio(layer_id)
+        self._caches = None                  # (weakref to a pool, LayerCaches): _bound_caches
         self.attn = Attention(cfg, layer_id, dtype, device)
         self.ffn = MoE(cfg, layer_id, dtype, device)
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
@@ -74,12 +76,22 @@ class DeepseekV4DecoderLayer(nn.Module):
         """Hidden copies [N, hc, dim] -> the same after this layer; freqs_cis: the layer's table."""
         y, post, comb = self.attn_input(x)
         freqs = freqs_cis[batch.positions.long()]
-        caches = LayerCaches.of(token_to_kv_pool, self.layer_id, self.compress_ratio)
+        caches = self._bound_caches(token_to_kv_pool)
         prepare = self._forward_prepare_multi_stream_hip if multi_stream else self._forward_prepare
         q, qr = prepare(y, batch, meta, token_to_kv_pool, caches, freqs_cis)
         out = attend(self.attn, q, qr, y, freqs, meta, caches, batch.is_decode)
         x = mhc.hc_post(out, x, post, comb)
         return self.ffn_block(x, batch.input_ids)
+
+    def _bound_caches(self, pool) -> LayerCaches:
+        """This layer's views of `pool` (LayerCaches), made when the layer first sees the pool
+        and kept while it is the same pool (its buffers are allocated once): a step does not
+        rebuild them (their state views are ops). Another pool rebinds them."""
+        bound = self._caches
+        if bound is None or bound[0]() is not pool:
+            bound = (weakref.ref(pool), LayerCaches.of(pool, self.layer_id, self.compress_ratio))
+            self._caches = bound
+        return bound[1]
 
     def _project_q_store_kv(self, y, batch, token_to_kv_pool, freqs_cis):
         """(q, qr): Q projection; window KV norm + RoPE + FP8 store at the SWA slots of

@@ -79,3 +79,28 @@ def test_multi_stream_prepare_gives_identical_results(model, flag_env):
         out[flag] = engine.generate(PROMPTS, STEPS, return_logits=True)
     assert out["0"].tokens == out["1"].tokens
     assert torch.equal(out["0"].logits, out["1"].logits)
+
+
+def test_a_layer_binds_its_caches_once_per_pool(model, monkeypatch):
+    """The layer's LayerCaches are made when it first sees a pool and reused at every step with
+    that pool; another pool (a second engine on the same model) binds its own, and going back
+    rebinds the first's buffers."""
+    from dsv4 import paged_attention
+
+    made = []
+    of = paged_attention.LayerCaches.of
+
+    def spy_of(pool, layer_id, ratio):
+        made.append((id(pool), layer_id))
+        return of(pool, layer_id, ratio)
+
+    monkeypatch.setattr(paged_attention.LayerCaches, "of", staticmethod(spy_of))
+    first, second = (Engine(model, max_batch=2, max_context_len=256, graph=False)
+                     for _ in range(2))
+    first.generate(PROMPTS, STEPS)
+    assert made == [(id(first.pool), i) for i in range(TINY.n_layers)]
+    second.generate(PROMPTS, STEPS)
+    first.generate(PROMPTS[:1], 2)
+    assert len(made) == 3 * TINY.n_layers
+    layer = model.layers[1]
+    assert layer._bound_caches(first.pool).swa is first.pool.get_swa_cache(1)
