@@ -10,7 +10,6 @@ from dataclasses import dataclass
 import torch
 
 from hip_kernels import kv_layout, set_kv
-from hip_kernels.platform import fp8_dialect
 
 from .attention_metadata import AttentionMetadata, CompressPlan
 from .layers.attention import Attention
@@ -123,27 +122,8 @@ def store_compressed(caches):
 
 
 def store_index_keys(caches):
-    return lambda rows, loc: store_index_keys_exact(rows, caches.index, loc,
-                                                    caches.index_page_size)
-
-
-def store_index_keys_exact(k: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor,
-                           page_size: int) -> None:
-    """Store FP4-simulated indexer keys [N, 128] in the 132-byte indexer layout so that they read
-    back exactly: the per-row fp32 scale is a power of two (2^ceil(log2(amax / FP8_MAX))), and an
-    e2m1 value times a power of two is an fp8 value. (``set_kv.indexer_store`` uses amax / FP8_MAX,
-    which loses up to 1/16 of each key against the reference.) Rows with loc < 0 go to location 0,
-    the dummy row: no masking, so this is graph-safe."""
-    d = fp8_dialect()
-    kf = k.float()
-    amax = kf.abs().amax(-1, keepdim=True).clamp_min(2.0 ** -126)
-    scale = torch.ldexp(torch.ones_like(amax), kv_layout.pow2_ceil_exponent(amax / d.max))
-    q = (kf / scale).clamp(-d.max, d.max).to(d.torch_dtype)
-    loc = torch.where(loc >= 0, loc, 0).long()
-    base = (loc // page_size) * kv_layout.indexer_page_bytes(page_size)
-    t = loc % page_size
-    width = kv_layout.INDEX_DIM
-    flat = cache.view(-1)
-    flat[(base + t * width)[:, None] + torch.arange(width, device=k.device)] = q.view(torch.uint8)
-    flat[(base + page_size * width + t * 4)[:, None] + torch.arange(4, device=k.device)] = (
-        scale.view(torch.uint8))
+    """The indexer keys' store: ``set_kv.indexer_store`` with a power-of-two scale per row
+    (2^ceil(log2(amax / FP8_MAX))), so the FP4-simulated keys (e2m1 values times a power of
+    two: fp8 values) read back exactly. One dispatcher op; rows with loc < 0 write nothing."""
+    return lambda rows, loc: set_kv.indexer_store(rows, caches.index, loc, caches.index_page_size,
+                                                  pow2_scale=True)

@@ -46,6 +46,7 @@ BF16_NAN = 0x7FC0                      # the one NaN encoding stored for a bf16 
 FP32_NAN = 0x7FC00000
 
 INDEX_DIM = 128
+INDEX_POW2_AMAX_FLOOR = 2.0 ** -126    # the smallest normal fp32: a power-of-two scale's floor
 INDEX_TOKEN_BYTES = INDEX_DIM + 4      # 132
 
 
@@ -272,15 +273,22 @@ def read_kv_rows(cache: torch.Tensor, loc: torch.Tensor, page_size: int,
     return torch.cat([nope, v[..., NOPE_DIM:].view(torch.bfloat16).float()], -1)
 
 
-def quantize_indexer_rows(k: torch.Tensor, dialect: Fp8Dialect | None = None):
-    """Indexer keys [N, 128] -> (fp8 [N, 128], fp32 scale [N]); scale = max(amax, 1e-4) / FP8_MAX.
+def quantize_indexer_rows(k: torch.Tensor, dialect: Fp8Dialect | None = None,
+                          pow2_scale: bool = False):
+    """Indexer keys [N, 128] -> (fp8 [N, 128], fp32 scale [N]); scale = max(amax, 1e-4) / FP8_MAX,
+    or with pow2_scale 2^ceil(log2(max(amax, 2^-126) / FP8_MAX)): a power of two, so keys that
+    are e2m1 values times a power of two (the model's FP4-simulated keys) read back exactly.
     A key holding a NaN or inf is stored poisoned: NaN value bytes, NaN scale."""
     if k.dim() != 2 or k.shape[1] != INDEX_DIM:
         raise ValueError(f"k must be [N, {INDEX_DIM}], got {tuple(k.shape)}")
     d = dialect or fp8_dialect()
     kf = k.float()
     poisoned = ~torch.isfinite(kf).all(dim=-1)
-    scale = kf.abs().amax(dim=-1).clamp_min(AMAX_FLOOR) / d.max
+    if pow2_scale:
+        ratio = kf.abs().amax(dim=-1).clamp_min(INDEX_POW2_AMAX_FLOOR) / d.max
+        scale = torch.ldexp(torch.ones_like(ratio), pow2_ceil_exponent(ratio))
+    else:
+        scale = kf.abs().amax(dim=-1).clamp_min(AMAX_FLOOR) / d.max
     scale = torch.where(poisoned, torch.ones_like(scale), scale)
     q = (kf / scale.unsqueeze(-1)).clamp(-d.max, d.max).to(d.torch_dtype).view(torch.uint8)
     q = torch.where(poisoned.unsqueeze(-1), d.nan_byte, q).view(d.torch_dtype)

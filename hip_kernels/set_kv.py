@@ -122,15 +122,19 @@ def store_kv_pack(nope_fp8, rope_bf16, scales, cache, out_loc, page_size) -> Non
                       resolve("store_kv_pack", dev))
 
 
-def indexer_store(k, cache, out_loc, page_size) -> None:
-    """Quantize indexer keys [N, 128] (fp32 scale per row) into the 132-byte indexer layout."""
+def indexer_store(k, cache, out_loc, page_size, pow2_scale: bool = False) -> None:
+    """Quantize indexer keys [N, 128] (fp32 scale per row) into the 132-byte indexer layout.
+    pow2_scale: the scale is a power of two (2^ceil(log2(amax / FP8_MAX))), so FP4-simulated
+    keys (e2m1 values times a power of two) read back exactly; else amax / FP8_MAX."""
     check_tensor("k", k, dtypes=FLOATS, shape=(None, L.INDEX_DIM), last_contiguous=True)
     check_page_size(page_size)
     check_cache("cache", cache, L.indexer_page_bytes(page_size), page_size, k.device)
     check_locations("out_loc", out_loc, k.shape[0], cache.shape[0] * page_size, k.device)
     check_finite("k", k)
+    if not isinstance(pow2_scale, bool):
+        raise TypeError(f"pow2_scale must be a bool, got {type(pow2_scale).__name__}")
     ops.indexer_store(k, cache, out_loc, page_size, resolve("indexer_store", k.device),
-                      fp8_dialect().name)
+                      fp8_dialect().name, pow2_scale)
 
 
 def fused_translate_norm_rope_store(kv, weight, eps, freqs_cis, positions, full_loc, full_to_swa,

@@ -31,7 +31,8 @@ SCHEMAS = {
         "Tensor nope_fp8, Tensor rope_bf16, Tensor scales, Tensor(a!) cache, Tensor out_loc, "
         "int page_size, str backend"),
     "indexer_store": (
-        "Tensor k, Tensor(a!) cache, Tensor out_loc, int page_size, str backend, str dialect"),
+        "Tensor k, Tensor(a!) cache, Tensor out_loc, int page_size, str backend, str dialect, "
+        "bool pow2_scale=False"),
     "fused_translate_norm_rope_store": (
         "Tensor kv, Tensor? weight, float eps, Tensor freqs_cis, Tensor positions, "
         "Tensor full_loc, Tensor full_to_swa, Tensor(a!) cache, int page_size, "
@@ -66,8 +67,9 @@ def _store_kv_pack(nope_fp8, rope_bf16, scales, cache, out_loc, page_size, backe
     implementation(backend).store_kv_pack(nope_fp8, rope_bf16, scales, cache, out_loc, page_size)
 
 
-def _indexer_store(k, cache, out_loc, page_size, backend, dialect):
-    implementation(backend).indexer_store(k, cache, out_loc, page_size, DIALECTS[dialect])
+def _indexer_store(k, cache, out_loc, page_size, backend, dialect, pow2_scale=False):
+    implementation(backend).indexer_store(k, cache, out_loc, page_size, DIALECTS[dialect],
+                                          pow2_scale)
 
 
 def _fused_translate_norm_rope_store(kv, weight, eps, freqs_cis, positions, full_loc,

@@ -121,8 +121,9 @@ def store_kv_pack(nope_fp8, rope_bf16, scales, cache, out_loc, page_size) -> Non
     L.write_kv_bytes(cache, out_loc, page_size, values, scale_bytes)
 
 
-def indexer_store(k, cache, out_loc, page_size, dialect: Fp8Dialect) -> None:
-    qk, scale = L.quantize_indexer_rows(k, dialect)
+def indexer_store(k, cache, out_loc, page_size, dialect: Fp8Dialect,
+                  pow2_scale: bool = False) -> None:
+    qk, scale = L.quantize_indexer_rows(k, dialect, pow2_scale)
     L.write_indexer_bytes(cache, out_loc, page_size, qk, scale)
 
 

@@ -13,11 +13,11 @@ import triton.language as tl
 
 from . import kv_layout as L
 from .kv_layout import DEFAULT_NUMERICS
-from .triton_kv_row import (AMAX_FLOOR, FP32_NAN, INDEX_DIM, LAUNCH_OPTIONS, N_TILES, NOPE_DIM,
-                            SCALE_BYTES, canonical_nan_bf16, fp8_constexprs, indexer_offsets,
-                            is_finite, load_nope, load_rope, nope_offsets, quantize_tiles,
-                            bf16_rms_inverse, rms_inverse, rope_offsets, rotate_pairs, rotate_pairs_fma,
-                            store_kv_row)
+from .triton_kv_row import (AMAX_FLOOR, FP32_NAN, INDEX_DIM, INDEX_POW2_AMAX_FLOOR,
+                            LAUNCH_OPTIONS, N_TILES, NOPE_DIM, SCALE_BYTES, bf16_rms_inverse,
+                            canonical_nan_bf16, fp8_constexprs, indexer_offsets, is_finite,
+                            load_nope, load_rope, nope_offsets, quantize_tiles, rms_inverse,
+                            rope_offsets, rotate_pairs, rotate_pairs_fma, store_kv_row)
 
 
 @triton.jit
@@ -203,18 +203,26 @@ def store_kv_pack(nope_fp8, rope_bf16, scales, cache, out_loc, page_size) -> Non
 @triton.jit
 def indexer_store_kernel(k_ptr, k_stride, loc_ptr, loc_stride, cache_ptr, num_slots,
                          PAGE_SIZE: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
-                         FP8_NAN: tl.constexpr):
-    """One indexer key [128] per program: fp32 scale max(amax, 1e-4) / FP8_MAX, values k / scale
-    cast to fp8, in the 132-byte layout; a key holding a NaN or inf is poisoned (FP8_NAN bytes,
-    NaN scale)."""
+                         FP8_NAN: tl.constexpr, POW2_SCALE: tl.constexpr = False):
+    """One indexer key [128] per program: fp32 scale max(amax, 1e-4) / FP8_MAX (POW2_SCALE:
+    2^ceil(log2(max(amax, 2^-126) / FP8_MAX)) from the fp32 bits), values k / scale cast to
+    fp8, in the 132-byte layout; a key holding a NaN or inf is poisoned (FP8_NAN bytes, NaN
+    scale)."""
     row = tl.program_id(0).to(tl.int64)
     loc = tl.load(loc_ptr + row * loc_stride).to(tl.int64)
     dims = tl.arange(0, INDEX_DIM)
     k = tl.load(k_ptr + row * k_stride + dims).to(tl.float32)
     poisoned = tl.min(is_finite(k).to(tl.int32)) == 0
-    amax = tl.where(poisoned, 1.0, tl.maximum(tl.max(tl.abs(k)), AMAX_FLOOR))
-    scale = tl.div_rn(amax, tl.full([], FP8_MAX, tl.float32))
-    x = tl.div_rn(k, scale)
+    if POW2_SCALE:
+        amax = tl.where(poisoned, 1.0, tl.maximum(tl.max(tl.abs(k)), INDEX_POW2_AMAX_FLOOR))
+        bits = tl.div_rn(amax, tl.full([], FP8_MAX, tl.float32)).to(tl.int32, bitcast=True)
+        exp = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+        scale = tl.where(poisoned, 1.0, ((exp + 127) << 23).to(tl.float32, bitcast=True))
+        x = k * ((127 - exp) << 23).to(tl.float32, bitcast=True)     # exact: times 2^-exp
+    else:
+        amax = tl.where(poisoned, 1.0, tl.maximum(tl.max(tl.abs(k)), AMAX_FLOOR))
+        scale = tl.div_rn(amax, tl.full([], FP8_MAX, tl.float32))
+        x = tl.div_rn(k, scale)
     q = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX).to(FP8).to(tl.uint8, bitcast=True)
     q = tl.where(poisoned, FP8_NAN, q).to(tl.uint8)
     scale = tl.where(poisoned, tl.full([], FP32_NAN, tl.int32).to(tl.float32, bitcast=True),
@@ -225,9 +233,10 @@ def indexer_store_kernel(k_ptr, k_stride, loc_ptr, loc_stride, cache_ptr, num_sl
     tl.store((cache_ptr + scale_off).to(tl.pointer_type(tl.float32)), scale, mask=keep)
 
 
-def indexer_store(k, cache, out_loc, page_size, dialect) -> None:
+def indexer_store(k, cache, out_loc, page_size, dialect, pow2_scale=False) -> None:
     if k.shape[0] == 0:
         return
     indexer_store_kernel[(k.shape[0],)](
         k, k.stride(0), out_loc, out_loc.stride(0), cache, cache.shape[0] * page_size,
-        PAGE_SIZE=page_size, **fp8_constexprs(dialect), **LAUNCH_OPTIONS)
+        PAGE_SIZE=page_size, **fp8_constexprs(dialect), POW2_SCALE=pow2_scale,
+        **LAUNCH_OPTIONS)

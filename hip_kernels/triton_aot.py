@@ -76,7 +76,10 @@ def _variants(dialect):
             {"loc_stride": 1, **c4_page}),
         "indexer_store": (
             K.indexer_store_kernel, {"k_ptr": "*bf16", "k_stride": "i32:D", **loc},
-            {"loc_stride": 1, "PAGE_SIZE": 64, **fp8}),
+            {"loc_stride": 1, "PAGE_SIZE": 64, **fp8, "POW2_SCALE": False}),
+        "indexer_store (pow2 scale, the model's)": (
+            K.indexer_store_kernel, {"k_ptr": "*bf16", "k_stride": "i32:D", **loc},
+            {"loc_stride": 1, "PAGE_SIZE": 64, **fp8, "POW2_SCALE": True}),
         "hc_split": _hc_split_variant(),
     }
 

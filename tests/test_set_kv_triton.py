@@ -265,3 +265,34 @@ def test_slots_past_the_cache_are_masked_in_the_kernel(flag_env, op):
         results[backend] = dict(a, cache=base[:2].clone())
     assert_same(results, *[k for k in ("cache", "swa_loc_out") if k in args])
     assert not (results["torch"]["cache"] == 0x5A).all(), "the in-range rows were not written"
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_indexer_store_with_power_of_two_scales_reads_fp4_keys_back_exactly(flag_env, dialect):
+    """pow2_scale=True (the model's indexer keys): FP4-simulated keys, e2m1 values times a
+    power of two per 32-wide block, spanning 2^-20..2^20, are read back bit for bit, torch and
+    Triton write the same bytes, and every stored scale is a power of two. The default scale
+    (amax / FP8_MAX) loses some of them."""
+    from dsv4.layers.quant_sim import fp4_quant_dequant
+
+    g = gen(9)
+    n, page_size = 24, 16
+    k = torch.randn(n, L.INDEX_DIM, generator=g) * 2.0 ** torch.randint(-20, 21, (n, 1),
+                                                                         generator=g)
+    k = fp4_quant_dequant(k.to(torch.bfloat16))
+    loc = torch.randperm(2 * page_size, generator=g)[:n]
+    args = dict(k=k, cache=indexer_cache(2, page_size), out_loc=loc, page_size=page_size,
+                pow2_scale=True)
+    res = run_backends(flag_env, dialect, "indexer_store", args)
+    assert_same(res, "cache")
+    cache = res["triton"]["cache"]
+    got = L.read_indexer_rows(cache, loc, page_size, hip_kernels.fp8_dialect())
+    assert torch.equal(got, k.float())
+    base = (loc // page_size) * L.indexer_page_bytes(page_size) + page_size * L.INDEX_DIM
+    at = (base + loc % page_size * 4)[:, None] + torch.arange(4)
+    scale = cache.view(-1)[at].contiguous().view(torch.float32).flatten()
+    assert torch.equal(torch.frexp(scale).mantissa, torch.full_like(scale, 0.5))
+    plain = to_device(clone_args({**args, "pow2_scale": False}), DEV)
+    hip_kernels.indexer_store(**plain)
+    lossy = L.read_indexer_rows(plain["cache"].cpu(), loc, page_size, hip_kernels.fp8_dialect())
+    assert not torch.equal(lossy, k.float())
