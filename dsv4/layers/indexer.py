@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hip_kernels import numerics
+from hip_kernels import aiter_ops, numerics
 
 from .compressor import Compressor
 from .linear import Linear
@@ -61,5 +61,5 @@ class Indexer(nn.Module):
         query has fewer visible rows than that."""
         k = min(self.topk, scores.shape[1])
         masked = scores.masked_fill(~visible, float("-inf"))
-        vals, idx = masked.topk(k, dim=-1)
+        vals, idx = aiter_ops.topk_rows(masked, k)
         return idx.masked_fill(vals == float("-inf"), -1)

@@ -1,0 +1,174 @@
+"""Optional aiter kernels (AMD's ROCm op library) for ops whose semantics map exactly onto them.
+
+aiter is never required: every op here has a torch path, the code the model ran before, and that
+path runs whenever aiter is not used. ``DSV4_AITER`` picks the policy:
+
+- ``auto`` (the default): aiter runs an op only when aiter is importable, the op's tensors are on
+  a ROCm GPU, and ``DSV4_NUMERICS=fp32``. aiter's kernels do not reproduce the reference code's
+  bits (a top-k breaks ties in its own order; aiter's other kernels round differently), so in the
+  default ``reference`` numerics auto keeps the bit-exact torch path.
+- ``1``: aiter runs every op it provides, whatever the numerics mode and whatever the tensors'
+  device (aiter's own checks then refuse tensors it cannot take, e.g. CPU ones); an error naming
+  DSV4_AITER if aiter cannot be imported at all.
+- ``0``: never; aiter is not even imported.
+
+A call outside what the aiter kernel supports (a dtype it lacks, k above its limit, an empty
+batch) takes the torch path in every mode.
+
+Ops:
+
+- :func:`topk_rows` (the indexer's top-k per row) -> ``aiter.topk_plain(x, topk_ids, topk_out,
+  topk, largest=True, rowStarts=None, rowEnds=None, stride0=-1, stride1=1)``: fp32/fp16/bf16
+  rows, int32 ids, k <= 2048; it leaves the k winners unordered, so they are sorted here by value,
+  descending, as ``torch.topk`` returns them.
+
+Probed but not dispatched (:func:`probe` reports them; ``dsv4/layers/moe.py`` keeps its torch
+path): ``aiter.topk_gating`` (the MoE gate's fused score + biased top-k + renormalisation).
+
+The probe runs once per process (on the first call that may use aiter) and logs one line saying
+which ops run on aiter and which take the torch path.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from . import envs, numerics, platform
+
+logger = logging.getLogger(__name__)
+
+# The ops dispatched here -> the aiter attribute each one calls.
+DISPATCHED = {"topk_rows": "topk_plain"}
+# aiter ops the MoE could use, probed so callers can see them; nothing here calls them.
+PROBED_ONLY = {"moe_gate": "topk_gating"}
+# Parameters an aiter op must take for the call made here; older aiter releases had a
+# topk_plain(x, topk_ids, topk, largest) without the values output, which counts as missing.
+REQUIRED_PARAMS = {"topk_plain": ("x", "topk_ids", "topk_out", "topk", "largest")}
+
+TOPK_MAX_K = 2048  # topk_plain's largest k (its kernels' MAX_CAPACITY)
+TOPK_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class AiterUnavailableError(RuntimeError):
+    """DSV4_AITER=1 but the aiter package cannot be imported."""
+
+
+@dataclass(frozen=True)
+class AiterProbe:
+    """What the installed aiter offers: ``available`` holds the names (keys of DISPATCHED and
+    PROBED_ONLY) whose aiter attribute exists; ``error`` says why aiter did not import."""
+
+    importable: bool
+    available: frozenset[str] = frozenset()
+    error: str | None = None
+
+    def has(self, op: str) -> bool:
+        return op in self.available
+
+    def summary(self) -> str:
+        """The probe's log line."""
+        if not self.importable:
+            return (f"aiter not importable ({self.error}); torch path for every op: "
+                    + ", ".join(DISPATCHED))
+        on = [f"{op} (aiter.{a})" for op, a in DISPATCHED.items() if op in self.available]
+        off = [f"{op} (no aiter.{a})" for op, a in DISPATCHED.items() if op not in self.available]
+        probed = [f"{op} (aiter.{a}: {'available' if op in self.available else 'missing'})"
+                  for op, a in PROBED_ONLY.items()]
+        return (f"aiter importable; on aiter when DSV4_AITER allows: {', '.join(on) or 'none'}; "
+                f"torch path: {', '.join(off) or 'none'}; probed, not dispatched: "
+                f"{', '.join(probed)}")
+
+
+def _import_aiter():
+    import aiter
+    return aiter
+
+
+def _has_op(mod, attr: str) -> bool:
+    """Whether aiter has ``attr`` as a callable taking the parameters this module passes (when
+    its signature can be read; a compiled op without one is taken at its word)."""
+    fn = getattr(mod, attr, None)
+    if not callable(fn):
+        return False
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return True
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params.values()):
+        return True
+    return all(name in params for name in REQUIRED_PARAMS.get(attr, ()))
+
+
+@functools.lru_cache(maxsize=None)
+def probe() -> AiterProbe:
+    """Import aiter once and record which of the ops named here it has (logged once)."""
+    try:
+        mod = _import_aiter()
+    except Exception as e:  # aiter's import can fail in many ways (missing ROCm, JIT build)
+        result = AiterProbe(False, error=f"{type(e).__name__}: {e}")
+    else:
+        names = {**DISPATCHED, **PROBED_ONLY}
+        result = AiterProbe(True, frozenset(op for op, attr in names.items()
+                                            if _has_op(mod, attr)))
+    logger.info("%s", result.summary())
+    return result
+
+
+def use_aiter(op: str, *tensors: torch.Tensor) -> bool:
+    """Whether the policy sends this call of ``op`` (a key of DISPATCHED) to aiter."""
+    if op not in DISPATCHED:
+        raise ValueError(f"op={op!r}: expected one of {sorted(DISPATCHED)}")
+    mode = envs.AITER.get()
+    if mode == "0":
+        return False
+    if mode == "1":
+        found = probe()
+        if not found.importable:
+            raise AiterUnavailableError(
+                f"DSV4_AITER=1 but aiter cannot be imported ({found.error}); install aiter "
+                "(ROCm only) or set DSV4_AITER=auto or 0")
+        return found.has(op)
+    # auto: the cheap conditions first, so a CPU run or the reference numerics never import aiter
+    if numerics.mode() != "fp32" or platform.backend() != "rocm":
+        return False
+    if not all(t.device.type == "cuda" for t in tensors):
+        return False
+    return probe().has(op)
+
+
+def _topk_supported(scores: torch.Tensor, k: int) -> bool:
+    """Whether topk_plain takes this call: its dtypes, 1 <= k <= 2048, rows present, int32 ids."""
+    return (scores.dtype in TOPK_DTYPES and 1 <= k <= TOPK_MAX_K and scores.shape[0] > 0
+            and scores.shape[1] < 2 ** 31)
+
+
+def _topk_torch(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return scores.topk(k, dim=-1)
+
+
+def _topk_aiter(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x = scores.contiguous()
+    ids = torch.empty(x.shape[0], k, dtype=torch.int32, device=x.device)
+    vals = torch.empty(x.shape[0], k, dtype=x.dtype, device=x.device)
+    _import_aiter().topk_plain(x, ids, vals, k, True)
+    vals, order = vals.sort(dim=-1, descending=True, stable=True)
+    return vals, ids.long().gather(-1, order)
+
+
+def topk_rows(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest entries of each row of scores [N, T], like ``scores.topk(k, dim=-1)``:
+    (values [N, k] in scores' dtype, descending; int64 indices [N, k]). On aiter, equal values
+    may come in another order than torch's (torch leaves that order unspecified too)."""
+    if not isinstance(scores, torch.Tensor) or scores.dim() != 2:
+        raise ValueError(f"scores: expected a 2-D tensor [N, T], got "
+                         f"{getattr(scores, 'shape', type(scores).__name__)}")
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= scores.shape[1]:
+        raise ValueError(f"k={k!r}: expected an int in [0, {scores.shape[1]}] (the row length)")
+    if use_aiter("topk_rows", scores) and _topk_supported(scores, k):
+        return _topk_aiter(scores, k)
+    return _topk_torch(scores, k)

@@ -1,0 +1,307 @@
+"""DSV4_AITER: the policy that sends ops to aiter or keeps the torch path (hip_kernels/aiter_ops).
+
+aiter (AMD's ROCm op library) cannot be installed on a CPU machine, so the CPU tests put a stub
+module named ``aiter`` into sys.modules: its ops record their calls and compute the result with
+torch, in aiter's calling convention (outputs written into the tensors passed in). The test
+marked ``gpu`` compares the real aiter with the torch path on a ROCm GPU.
+"""
+
+import logging
+import sys
+import types
+
+import pytest
+import torch
+
+from hip_kernels import aiter_ops, platform
+
+
+def _make_stub() -> types.ModuleType:
+    """Stands for the aiter package (not installable on a CPU): topk_plain and topk_gating with
+    aiter's argument order; each call is recorded in ``stub.calls``."""
+    stub = types.ModuleType("aiter")
+    stub.calls = []
+
+    def topk_plain(x, topk_ids, topk_out, topk, largest=True, rowStarts=None, rowEnds=None,
+                   stride0=-1, stride1=1):
+        stub.calls.append(("topk_plain", tuple(x.shape), topk))
+        assert topk_ids.dtype == torch.int32 and topk_out.dtype == x.dtype
+        vals, idx = x.topk(topk, dim=-1, largest=largest)
+        # aiter leaves the winners unordered: hand them back reversed, the dispatcher sorts them
+        topk_out.copy_(vals.flip(-1))
+        topk_ids.copy_(idx.flip(-1).to(torch.int32))
+
+    def topk_gating(topk_weights, topk_indices, gating_output, correction_bias=None,
+                    need_renorm=True, routed_scaling_factor=1.0, score_func="sqrtsoftplus"):
+        stub.calls.append(("topk_gating",))
+
+    stub.topk_plain = topk_plain
+    stub.topk_gating = topk_gating
+    return stub
+
+
+@pytest.fixture
+def aiter_env(flag_env, monkeypatch):
+    """flag_env, plus a fresh probe; yields a function installing the stub (or hiding aiter)."""
+    aiter_ops.probe.cache_clear()
+
+    def install(stub=True):
+        if stub:
+            mod = _make_stub()
+            monkeypatch.setitem(sys.modules, "aiter", mod)
+            return mod
+        monkeypatch.setitem(sys.modules, "aiter", None)  # `import aiter` raises ImportError
+        return None
+
+    yield flag_env, install
+    aiter_ops.probe.cache_clear()
+
+
+def _rocm(monkeypatch):
+    """Let the auto policy believe the process runs on ROCm (the tensors stay on the CPU)."""
+    monkeypatch.setattr(platform, "backend", lambda: "rocm")
+
+
+def _scores(n=3, t=40, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, t, generator=g).to(dtype)
+
+
+def test_flag_declared_with_choices(flag_env):
+    from hip_kernels import envs
+    flag_env()
+    assert envs.AITER.get() == "auto"
+    assert envs.AITER.choices == ("auto", "0", "1")
+    flag_env(DSV4_AITER="1")
+    assert envs.AITER.get() == "1"
+
+
+def test_off_never_calls_aiter(aiter_env, monkeypatch):
+    flag_env, install = aiter_env
+    stub = install()
+    _rocm(monkeypatch)
+    flag_env(DSV4_AITER="0", DSV4_NUMERICS="fp32")
+    s = _scores()
+    vals, idx = aiter_ops.topk_rows(s, 5)
+    assert stub.calls == []
+    assert aiter_ops.probe.cache_info().currsize == 0  # not even imported
+    ref = s.topk(5, dim=-1)
+    assert torch.equal(vals, ref.values) and torch.equal(idx, ref.indices)
+
+
+def test_on_calls_aiter_and_sorts_like_torch(aiter_env):
+    flag_env, install = aiter_env
+    stub = install()
+    flag_env(DSV4_AITER="1")  # 1 ignores the device and numerics conditions
+    g = torch.Generator().manual_seed(1)
+    s = torch.stack([torch.randperm(40, generator=g) for _ in range(3)]).to(torch.bfloat16)
+    vals, idx = aiter_ops.topk_rows(s, 7)  # distinct values: no ties to order
+    assert stub.calls == [("topk_plain", (3, 40), 7)]
+    ref = s.topk(7, dim=-1)
+    assert torch.equal(vals, ref.values) and torch.equal(idx, ref.indices)
+    assert idx.dtype == torch.int64 and vals.dtype == torch.bfloat16
+
+
+def test_on_keeps_torch_outside_the_kernel_limits(aiter_env):
+    flag_env, install = aiter_env
+    stub = install()
+    flag_env(DSV4_AITER="1")
+    s = _scores(n=2, t=3000)
+    for x, k in ((s, 0), (s, aiter_ops.TOPK_MAX_K + 1), (s.double(), 4), (s[:0], 4)):
+        vals, idx = aiter_ops.topk_rows(x, k)
+        ref = x.topk(k, dim=-1)
+        assert torch.equal(vals, ref.values) and torch.equal(idx, ref.indices)
+    assert stub.calls == []
+
+
+def test_auto_on_cpu_tensor_falls_back(aiter_env, monkeypatch):
+    flag_env, install = aiter_env
+    stub = install()
+    _rocm(monkeypatch)
+    flag_env(DSV4_AITER="auto", DSV4_NUMERICS="fp32")
+    aiter_ops.topk_rows(_scores(), 4)
+    assert stub.calls == []
+
+
+def test_auto_on_cpu_backend_falls_back_without_importing(aiter_env):
+    flag_env, install = aiter_env
+    stub = install()
+    flag_env(DSV4_NUMERICS="fp32")  # DSV4_AITER unset = auto
+    if platform.backend() != "cpu":
+        pytest.skip("checks a CPU-only process")
+    aiter_ops.topk_rows(_scores(), 4)
+    assert stub.calls == [] and aiter_ops.probe.cache_info().currsize == 0
+
+
+def test_auto_with_reference_numerics_falls_back(aiter_env, monkeypatch):
+    flag_env, install = aiter_env
+    stub = install()
+    _rocm(monkeypatch)
+    flag_env(DSV4_AITER="auto")  # DSV4_NUMERICS unset = reference
+    assert not aiter_ops.use_aiter("topk_rows", torch.empty(1, device="meta"))
+    flag_env(DSV4_AITER="auto", DSV4_NUMERICS="reference")
+    aiter_ops.topk_rows(_scores(), 4)
+    assert stub.calls == []
+
+
+def test_auto_uses_aiter_for_gpu_tensors_in_fp32(aiter_env, monkeypatch):
+    """The one case auto sends to aiter; a tensor's device is faked (no GPU here), so only the
+    decision is checked."""
+    flag_env, install = aiter_env
+    install()
+    _rocm(monkeypatch)
+    flag_env(DSV4_AITER="auto", DSV4_NUMERICS="fp32")
+    fake_gpu = types.SimpleNamespace(device=torch.device("cuda", 0))
+    assert aiter_ops.use_aiter("topk_rows", fake_gpu)
+    assert not aiter_ops.use_aiter("topk_rows", torch.empty(1))
+
+
+def test_on_without_aiter_raises_naming_the_flag(aiter_env):
+    flag_env, install = aiter_env
+    install(stub=False)
+    flag_env(DSV4_AITER="1")
+    with pytest.raises(aiter_ops.AiterUnavailableError, match="DSV4_AITER"):
+        aiter_ops.topk_rows(_scores(), 4)
+
+
+def test_on_with_an_aiter_lacking_the_op_falls_back(aiter_env):
+    flag_env, install = aiter_env
+    stub = install()
+    del stub.topk_plain
+    flag_env(DSV4_AITER="1")
+    s = _scores()
+    vals, idx = aiter_ops.topk_rows(s, 4)
+    assert torch.equal(idx, s.topk(4, dim=-1).indices)
+    assert not aiter_ops.probe().has("topk_rows") and aiter_ops.probe().has("moe_gate")
+
+
+def test_an_older_topk_plain_without_the_values_output_counts_as_missing(aiter_env):
+    """Older aiter releases had topk_plain(x, topk_ids, topk, largest): calling it with this
+    module's arguments would fail, so the probe must not dispatch to it."""
+    flag_env, install = aiter_env
+    stub = install()
+
+    def old_topk_plain(x, topk_ids, topk, largest):
+        raise AssertionError("the old signature must not be called")
+
+    stub.topk_plain = old_topk_plain
+    flag_env(DSV4_AITER="1")
+    s = _scores()
+    _, idx = aiter_ops.topk_rows(s, 4)
+    assert torch.equal(idx, s.topk(4, dim=-1).indices)
+    assert not aiter_ops.probe().has("topk_rows")
+
+
+def test_probe_logs_one_line_listing_the_ops(aiter_env, caplog):
+    flag_env, install = aiter_env
+    install()
+    flag_env(DSV4_AITER="1")
+    with caplog.at_level(logging.INFO, logger="hip_kernels.aiter_ops"):
+        for _ in range(3):
+            aiter_ops.topk_rows(_scores(), 4)
+        found = aiter_ops.probe()
+    lines = [r for r in caplog.records if r.name == "hip_kernels.aiter_ops"]
+    assert len(lines) == 1 and lines[0].levelno == logging.INFO
+    msg = lines[0].getMessage()
+    assert "\n" not in msg
+    assert "topk_rows (aiter.topk_plain)" in msg and "moe_gate (aiter.topk_gating" in msg
+    assert found.importable and found.available == frozenset({"topk_rows", "moe_gate"})
+
+
+def test_probe_line_when_aiter_is_missing(aiter_env, caplog):
+    flag_env, install = aiter_env
+    install(stub=False)
+    with caplog.at_level(logging.INFO, logger="hip_kernels.aiter_ops"):
+        found = aiter_ops.probe()
+        aiter_ops.probe()
+    lines = [r.getMessage() for r in caplog.records if r.name == "hip_kernels.aiter_ops"]
+    assert len(lines) == 1 and "not importable" in lines[0] and "topk_rows" in lines[0]
+    assert not found.importable and "ModuleNotFoundError" in found.error
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k", [0, 1, 5, 40])
+def test_fallback_is_torch_topk(aiter_env, dtype, k):
+    flag_env, install = aiter_env
+    install(stub=False)
+    flag_env(DSV4_AITER="auto")
+    s = _scores(n=4, t=40, seed=k, dtype=dtype)
+    s[1, ::3] = float("-inf")
+    s[2, :] = s[2, 0]  # every entry tied
+    vals, idx = aiter_ops.topk_rows(s, k)
+    ref = s.topk(k, dim=-1)
+    assert torch.equal(vals, ref.values) and torch.equal(idx, ref.indices)
+
+
+@pytest.mark.parametrize("scores,k,name", [
+    (torch.zeros(3), 1, "scores"), (torch.zeros(2, 3, 4), 1, "scores"), ([[1.0]], 1, "scores"),
+    (torch.zeros(2, 3), 4, "k"), (torch.zeros(2, 3), -1, "k"), (torch.zeros(2, 3), 1.0, "k"),
+])
+def test_bad_input_names_the_argument(flag_env, scores, k, name):
+    flag_env(DSV4_AITER="0")
+    with pytest.raises(ValueError, match=name):
+        aiter_ops.topk_rows(scores, k)
+
+
+def test_unknown_op_names_the_argument(flag_env):
+    with pytest.raises(ValueError, match="op="):
+        aiter_ops.use_aiter("fused_moe", torch.zeros(1))
+
+
+def test_indexer_select_dispatches(aiter_env):
+    """Indexer.select goes through topk_rows: with DSV4_AITER=1 the stub runs it, and the result
+    is the torch path's, -1 where fewer rows are visible than k."""
+    from dsv4.layers.indexer import Indexer
+    flag_env, install = aiter_env
+    stub = install()
+    ix = types.SimpleNamespace(topk=4)
+    s = _scores(n=3, t=6)
+    visible = torch.ones(3, 6, dtype=torch.bool)
+    visible[1, 2:] = False
+    flag_env(DSV4_AITER="0")
+    ref = Indexer.select(ix, s, visible)
+    assert stub.calls == [] and (ref[1, 2:] == -1).all()
+    flag_env(DSV4_AITER="1")
+    assert torch.equal(Indexer.select(ix, s, visible), ref)
+    assert [c[0] for c in stub.calls] == ["topk_plain"]
+
+
+def _real_aiter_on_rocm():
+    if platform.backend() != "rocm":
+        return "needs a ROCm GPU"
+    try:
+        import aiter  # noqa: F401
+    except Exception as e:  # not installed, or its import fails
+        return f"aiter is not importable: {type(e).__name__}: {e}"
+    return None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,t,k", [(1, 64, 1), (4, 1000, 64), (8, 8192, 512), (2, 70000, 2048),
+                                   (3, 512, 512)])
+def test_aiter_ops_match_torch_on_rocm(flag_env, dtype, n, t, k):
+    """Each aiter op against the torch path: the same values, and (distinct scores, so no ties)
+    the same indices; masked rows (-inf) as the indexer passes them."""
+    reason = _real_aiter_on_rocm()
+    if reason:
+        pytest.skip(reason)
+    aiter_ops.probe.cache_clear()
+    flag_env(DSV4_AITER="1")
+    assert aiter_ops.probe().has("topk_rows")
+    if dtype == torch.bfloat16:  # integers up to 256 are exact in bf16: keep the rows distinct
+        t, k = min(t, 256), min(k, t, 256)
+    g = torch.Generator(device="cuda").manual_seed(n * t + k)
+    s = torch.stack([torch.randperm(t, generator=g, device="cuda") for _ in range(n)]).to(dtype)
+    s[0, ::5] = float("-inf")
+    vals, idx = aiter_ops.topk_rows(s, k)
+    ref = s.topk(k, dim=-1)
+    assert torch.equal(vals, ref.values)
+    finite = ref.values != float("-inf")
+    assert torch.equal(idx[finite], ref.indices[finite])
+    assert idx.dtype == torch.int64
+    flag_env(DSV4_AITER="auto", DSV4_NUMERICS="fp32")
+    assert aiter_ops.use_aiter("topk_rows", s)
+    flag_env(DSV4_AITER="auto", DSV4_NUMERICS="reference")
+    assert not aiter_ops.use_aiter("topk_rows", s)
+    aiter_ops.probe.cache_clear()
