@@ -3,7 +3,9 @@
 For each new token (a query) it says which KV rows it attends and where they live:
 
 - the sliding window: the SWA slots of its request's last ``window`` positions (itself included),
-  via req_to_token -> full location -> SWA slot;
+  via req_to_token -> full location -> SWA slot; the newest of them, the slot its own KV row is
+  stored at (``swa_write_loc``), is the pool's translation of ``out_cache_loc``, made once per
+  step and shared by every layer's store and every layer's window;
 - per compress ratio r present in the model: the compressed rows c < (pos + 1) // r, at
   compressed-cache location ``full_loc(c * r) // r`` (a full page maps to one compressed page);
 - per ratio, the compressor plan: for each candidate token, the ``window_rows`` (kv, score) rows
@@ -46,6 +48,8 @@ class AttentionMetadata:
     window_loc: torch.Tensor     # [N, W] SWA slots, oldest first (0 where invalid)
     window_valid: torch.Tensor   # [N, W]
     plans: dict[int, CompressPlan]
+    swa_write_loc: torch.Tensor  # [N] SWA slot each new token's KV row is stored at (int32;
+    #                              = window_loc[:, -1])
 
 
 def state_ring_rows(req_slots: torch.Tensor, positions: torch.Tensor,
@@ -55,14 +59,15 @@ def state_ring_rows(req_slots: torch.Tensor, positions: torch.Tensor,
 
 
 def build_attention_metadata(batch: ForwardBatch, req_to_token: torch.Tensor,
-                             full_to_swa: torch.Tensor, window: int, ratios: dict[int, int],
+                             full_to_swa: torch.Tensor, swa_write_loc: torch.Tensor, window: int,
+                             ratios: dict[int, int],
                              max_rows: dict[int, int] | None = None) -> AttentionMetadata:
-    """``full_to_swa`` is the allocator's mapping tensor: the window's slots are gathered through it
-    directly (one gather for all layers; the pool's per-layer translation of out_cache_loc and its
-    counters are a separate thing). ``ratios`` maps each compress ratio in the model to its state
-    ring size. ``max_rows`` fixes
-    the number of compressed rows per query per ratio (decode under graphs); by default it is the
-    batch's maximum (a host read: extend only)."""
+    """``full_to_swa`` is the allocator's mapping tensor: the window's older slots are gathered
+    through it directly; ``swa_write_loc`` [N] is the SWA slot of each new token (the pool's
+    translation of out_cache_loc), the window's last column. ``ratios`` maps each compress
+    ratio in the model to its state ring size. ``max_rows`` fixes the number of compressed rows
+    per query per ratio (decode under graphs); by default it is the batch's maximum (a host
+    read: extend only)."""
     dev = batch.positions.device
     pos = batch.positions.long()
     rows_of_token = batch.token_request_rows()
@@ -73,10 +78,12 @@ def build_attention_metadata(batch: ForwardBatch, req_to_token: torch.Tensor,
     def full_loc(r, p):
         return req_to_token[r, p.clamp(0, ctx - 1)].long()
 
-    q = pos[:, None] - torch.arange(window - 1, -1, -1, device=dev)
-    window_valid = q >= 0
-    swa = full_to_swa[full_loc(req[:, None], q)]
-    window_loc = torch.where(window_valid, swa, torch.zeros_like(swa))
+    q = pos[:, None] - torch.arange(window - 1, 0, -1, device=dev)       # the older positions
+    older_valid = q >= 0
+    swa = full_to_swa[full_loc(req[:, None], q)].to(swa_write_loc.dtype)
+    window_loc = torch.cat([torch.where(older_valid, swa, torch.zeros_like(swa)),
+                            swa_write_loc[:, None]], 1)
+    window_valid = torch.nn.functional.pad(older_valid, (0, 1), value=True)
 
     if batch.is_decode:
         first_new = pos
@@ -87,7 +94,7 @@ def build_attention_metadata(batch: ForwardBatch, req_to_token: torch.Tensor,
         n_rows = None if max_rows is None else max_rows.get(ratio)
         plans[ratio] = _compress_plan(batch, ratio, ring, pos, req, seq_len, first_new, full_loc,
                                       n_rows)
-    return AttentionMetadata(pos, window_loc, window_valid, plans)
+    return AttentionMetadata(pos, window_loc, window_valid, plans, swa_write_loc)
 
 
 def _compress_plan(batch, ratio, ring, pos, req, seq_len, first_new, full_loc, n_rows):

@@ -1,23 +1,21 @@
 """The DeepSeek-V4 module tree (parameter names = the reference checkpoint's tensor names) and its
 forward over the paged KV caches of ``mem_pool``.
 
-One step (``DeepseekV4Model.forward``): attention metadata is built once from the batch; then each
-``DeepseekV4DecoderLayer`` runs mHC pre, the attention prepare (Q/KV projections, the window KV
-store at the SWA slots of ``out_cache_loc``, the compressors), the sparse attention over window +
-compressed rows (``dsv4.paged_attention``), mHC post, and the MoE half.
+One step (``DeepseekV4Model.forward``): attention metadata is built once from the batch (with the
+pool's SWA translation of ``out_cache_loc``, once for all layers); then each
+``DeepseekV4DecoderLayer`` runs mHC pre, its ``PagedAttention`` (Q/KV projections, the window KV
+store at the step's SWA write slots, the compressors, the sparse attention over window +
+compressed rows: ``dsv4.paged_attention``), mHC post, and the MoE half.
 """
 
 from __future__ import annotations
 
 import logging
-import weakref
 
 import torch
 from torch import nn
 
-from hip_kernels import numerics
-
-from . import envs, streams
+from . import envs
 from .attention_metadata import AttentionMetadata, build_attention_metadata
 from .config import ModelConfig
 from .forward_batch import ForwardBatch
@@ -27,8 +25,7 @@ from .layers.linear import Linear
 from .layers.moe import MoE
 from .layers.norm import RMSNorm
 from .layers.rope import layer_freqs_cis
-from .paged_attention import (LayerCaches, attend, run_compressor, store_compressed,
-                              store_index_keys)
+from .paged_attention import PagedAttention
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +37,8 @@ class DeepseekV4DecoderLayer(nn.Module):
         self.layer_id = layer_id
         self.config = cfg
         self.compress_ratio = cfg.layer_ratio(layer_id)
-        self._caches = None                  # (weakref to a pool, LayerCaches): _bound_caches
         self.attn = Attention(cfg, layer_id, dtype, device)
+        self.paged = PagedAttention(self.attn)   # not a submodule: it owns no parameters
         self.ffn = MoE(cfg, layer_id, dtype, device)
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
@@ -75,88 +72,9 @@ class DeepseekV4DecoderLayer(nn.Module):
                 ) -> torch.Tensor:
         """Hidden copies [N, hc, dim] -> the same after this layer; freqs_cis: the layer's table."""
         y, post, comb = self.attn_input(x)
-        freqs = freqs_cis[batch.positions.long()]
-        caches = self._bound_caches(token_to_kv_pool)
-        prepare = self._forward_prepare_multi_stream_hip if multi_stream else self._forward_prepare
-        q, qr = prepare(y, batch, meta, token_to_kv_pool, caches, freqs_cis)
-        out = attend(self.attn, q, qr, y, freqs, meta, caches, batch.is_decode)
+        out = self.paged(y, batch, meta, token_to_kv_pool, freqs_cis, multi_stream)
         x = mhc.hc_post(out, x, post, comb)
         return self.ffn_block(x, batch.input_ids)
-
-    def _bound_caches(self, pool) -> LayerCaches:
-        """This layer's views of `pool` (LayerCaches), made when the layer first sees the pool
-        and kept while it is the same pool (its buffers are allocated once): a step does not
-        rebuild them (their state views are ops). Another pool rebinds them."""
-        bound = self._caches
-        if bound is None or bound[0]() is not pool:
-            bound = (weakref.ref(pool), LayerCaches.of(pool, self.layer_id, self.compress_ratio))
-            self._caches = bound
-        return bound[1]
-
-    def _project_q_store_kv(self, y, batch, token_to_kv_pool, freqs_cis):
-        """(q, qr): Q projection; window KV norm + RoPE + FP8 store at the SWA slots of
-        out_cache_loc, fused with q's weightless norm + RoPE (in place)."""
-        q, qr = self.attn.project_q(y)
-        kv = self.attn.project_kv(y)
-        swa_loc = token_to_kv_pool.get_cached_swa_loc(batch.out_cache_loc, self.layer_id)
-        token_to_kv_pool.set_swa_key_buffer_radix_fused_norm_rope(
-            self.layer_id, swa_loc, kv, self.attn.kv_norm.weight, self.attn.eps, freqs_cis,
-            batch.positions, q=q, numerics=numerics.store_numerics())
-        return q, qr
-
-    def _run_compressor(self, y, batch, meta, caches, freqs_cis):
-        plan = meta.plans[self.compress_ratio]
-        new = run_compressor(self.attn.compressor, y, batch.positions, plan, caches.state,
-                             store_compressed(caches), freqs_cis)
-        if self.compress_ratio == 4:
-            self._capture_state(batch, "compressor_state", new)
-
-    def _run_indexer_compressor(self, y, batch, meta, caches, freqs_cis):
-        new = run_compressor(self.attn.indexer.compressor, y, batch.positions, meta.plans[4],
-                             caches.index_state, store_index_keys(caches), freqs_cis)
-        self._capture_state(batch, "indexer_compressor_state", new)
-
-    def _capture_state(self, batch: ForwardBatch, table: str, new: torch.Tensor) -> None:
-        """Hand back the ratio-4 ring rows the caller asked for (batch.capture_state_rows)."""
-        if batch.capture_state_rows is None:
-            return
-        if batch.captured_states is None:
-            batch.captured_states = {}
-        batch.captured_states.setdefault(table, {})[self.layer_id] = (
-            new[batch.capture_state_rows].clone())
-
-    def _forward_prepare(self, y, batch, meta, token_to_kv_pool, caches, freqs_cis):
-        """Everything on the current stream: Q, window KV store, compressors. (q, qr)."""
-        q, qr = self._project_q_store_kv(y, batch, token_to_kv_pool, freqs_cis)
-        if self.compress_ratio:
-            self._run_compressor(y, batch, meta, caches, freqs_cis)
-        if self.attn.indexer is not None:
-            self._run_indexer_compressor(y, batch, meta, caches, freqs_cis)
-        return q, qr
-
-    def _forward_prepare_multi_stream_hip(self, y, batch, meta, token_to_kv_pool, caches,
-                                          freqs_cis):
-        """The compressors on side streams, Q/KV and the window store on the main stream, joined
-        before the indexer scoring and the attention. Same results as _forward_prepare."""
-        main = streams.current_stream(y.device)
-        side = self._side_streams(y.device)
-        for s in side:
-            s.wait_stream(main)                       # y is ready
-        if self.compress_ratio:
-            with streams.on_stream(side[0]):
-                self._run_compressor(y, batch, meta, caches, freqs_cis)
-        if self.attn.indexer is not None:
-            with streams.on_stream(side[1]):
-                self._run_indexer_compressor(y, batch, meta, caches, freqs_cis)
-        q, qr = self._project_q_store_kv(y, batch, token_to_kv_pool, freqs_cis)
-        for s in side:
-            main.wait_stream(s)
-        return q, qr
-
-    def _side_streams(self, device):
-        if getattr(self, "_streams", None) is None:
-            self._streams = (streams.new_stream(device), streams.new_stream(device))
-        return self._streams
 
 
 class DeepseekV4Model(nn.Module):
@@ -206,6 +124,7 @@ class DeepseekV4Model(nn.Module):
             multi_stream = envs.MULTI_STREAM_PREPARE.get()
         meta = build_attention_metadata(
             batch, req_to_token, token_to_kv_pool.full_to_swa_index_mapping,
+            token_to_kv_pool.get_cached_swa_loc(batch.out_cache_loc),
             self.config.window_size, self.compress_ratios(), max_rows)
         x = self.embed_tokens(batch.input_ids)
         for layer in self.layers:

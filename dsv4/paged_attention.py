@@ -1,15 +1,20 @@
-"""The attention of one layer over the paged caches: compressor steps, indexer selection, gather
-of the window and compressed rows, sparse attention. The math lives in ``dsv4.layers``; this file
-moves rows between it and the caches, following the step's ``AttentionMetadata``.
+"""The attention of one layer over the paged caches, in one place: ``PagedAttention`` binds the
+layer's views of the pool once, stores the window KV row at the step's SWA write slot, runs the
+compressors (on side streams when asked), the indexer selection, the gather of the window and
+compressed rows and the sparse attention. The math lives in ``dsv4.layers``; this file moves rows
+between it and the caches, following the step's ``AttentionMetadata``.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
 
-from hip_kernels import kv_layout, set_kv
+from hip_kernels import kv_layout, numerics, set_kv
+
+from . import streams
 
 from .attention_metadata import AttentionMetadata, CompressPlan
 from .layers.attention import Attention
@@ -127,3 +132,99 @@ def store_index_keys(caches):
     two: fp8 values) read back exactly. One dispatcher op; rows with loc < 0 write nothing."""
     return lambda rows, loc: set_kv.indexer_store(rows, caches.index, loc, caches.index_page_size,
                                                   pow2_scale=True)
+
+
+class PagedAttention:
+    """One decoder layer's attention over a ``mem_pool`` pool (a plain object beside the layer's
+    ``Attention`` module, whose parameters it uses: the checkpoint names stay the module's).
+
+    ``__call__`` runs the whole attention half of a step: prepare (Q projection; the window KV
+    row normed, rotated and stored at ``meta.swa_write_loc``, fused with q's norm and RoPE; the
+    compressors), then ``attend``. The layer's ``LayerCaches`` are made when it first sees a
+    pool and kept while it is that pool (a pool allocates its buffers once)."""
+
+    def __init__(self, attn: Attention):
+        self.attn = attn
+        self.layer_id = attn.layer_id
+        self.ratio = attn.ratio
+        self._bound = None                   # (weakref to a pool, LayerCaches)
+        self._streams = None
+
+    def caches(self, pool) -> LayerCaches:
+        bound = self._bound
+        if bound is None or bound[0]() is not pool:
+            bound = (weakref.ref(pool), LayerCaches.of(pool, self.layer_id, self.ratio))
+            self._bound = bound
+        return bound[1]
+
+    def __call__(self, y: torch.Tensor, batch, meta: AttentionMetadata, pool,
+                 freqs_cis: torch.Tensor, multi_stream: bool = False) -> torch.Tensor:
+        """Attention output [N, dim] of the normed hidden states y [N, dim]; freqs_cis: the
+        layer's RoPE table."""
+        caches = self.caches(pool)
+        prepare = self.prepare_multi_stream if multi_stream else self.prepare
+        q, qr = prepare(y, batch, meta, pool, caches, freqs_cis)
+        freqs = freqs_cis[batch.positions.long()]
+        return attend(self.attn, q, qr, y, freqs, meta, caches, batch.is_decode)
+
+    def project_q_store_kv(self, y, batch, meta, pool, freqs_cis):
+        """(q, qr): Q projection; window KV norm + RoPE + FP8 store at the step's SWA write
+        slots, fused with q's weightless norm + RoPE (in place)."""
+        q, qr = self.attn.project_q(y)
+        kv = self.attn.project_kv(y)
+        pool.set_swa_key_buffer_radix_fused_norm_rope(
+            self.layer_id, meta.swa_write_loc, kv, self.attn.kv_norm.weight, self.attn.eps,
+            freqs_cis, batch.positions, q=q, numerics=numerics.store_numerics())
+        return q, qr
+
+    def prepare(self, y, batch, meta, pool, caches, freqs_cis):
+        """Everything on the current stream: Q, window KV store, compressors. (q, qr)."""
+        q, qr = self.project_q_store_kv(y, batch, meta, pool, freqs_cis)
+        if self.ratio:
+            self._run_compressor(y, batch, meta, caches, freqs_cis)
+        if self.attn.indexer is not None:
+            self._run_indexer_compressor(y, batch, meta, caches, freqs_cis)
+        return q, qr
+
+    def prepare_multi_stream(self, y, batch, meta, pool, caches, freqs_cis):
+        """The compressors on side streams, Q/KV and the window store on the main stream, joined
+        before the indexer scoring and the attention. Same results as ``prepare``."""
+        main = streams.current_stream(y.device)
+        side = self._side_streams(y.device)
+        for s in side:
+            s.wait_stream(main)                       # y is ready
+        if self.ratio:
+            with streams.on_stream(side[0]):
+                self._run_compressor(y, batch, meta, caches, freqs_cis)
+        if self.attn.indexer is not None:
+            with streams.on_stream(side[1]):
+                self._run_indexer_compressor(y, batch, meta, caches, freqs_cis)
+        q, qr = self.project_q_store_kv(y, batch, meta, pool, freqs_cis)
+        for s in side:
+            main.wait_stream(s)
+        return q, qr
+
+    def _side_streams(self, device):
+        if self._streams is None:
+            self._streams = (streams.new_stream(device), streams.new_stream(device))
+        return self._streams
+
+    def _run_compressor(self, y, batch, meta, caches, freqs_cis):
+        new = run_compressor(self.attn.compressor, y, batch.positions, meta.plans[self.ratio],
+                             caches.state, store_compressed(caches), freqs_cis)
+        if self.ratio == 4:
+            _capture_state(batch, "compressor_state", self.layer_id, new)
+
+    def _run_indexer_compressor(self, y, batch, meta, caches, freqs_cis):
+        new = run_compressor(self.attn.indexer.compressor, y, batch.positions, meta.plans[4],
+                             caches.index_state, store_index_keys(caches), freqs_cis)
+        _capture_state(batch, "indexer_compressor_state", self.layer_id, new)
+
+
+def _capture_state(batch, table: str, layer_id: int, new: torch.Tensor) -> None:
+    """Hand back the ratio-4 ring rows the caller asked for (batch.capture_state_rows)."""
+    if batch.capture_state_rows is None:
+        return
+    if batch.captured_states is None:
+        batch.captured_states = {}
+    batch.captured_states.setdefault(table, {})[layer_id] = new[batch.capture_state_rows].clone()

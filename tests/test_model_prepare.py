@@ -1,12 +1,13 @@
-"""The attention prepare step: both paths fetch SWA slots through the pool's cached translation,
-give identical results, and a decode step translates once for all layers when the cache is on."""
+"""The attention prepare step: both paths store at the step's SWA write slots, translated once per
+step through the pool's cached translation (in the attention metadata, shared by all layers),
+and give identical results."""
 
 import pytest
 import torch
 
 from dsv4.config import ModelConfig
 from dsv4.engine import Engine
-from dsv4.model import DeepseekV4DecoderLayer
+from dsv4.paged_attention import PagedAttention
 from tiny_model import tiny_model
 
 TINY = ModelConfig.preset("tiny")
@@ -21,7 +22,8 @@ def model():
 
 
 def watch_steps(engine, monkeypatch):
-    """Per forward step: (mode, layer ids that called get_cached_swa_loc, translations, hits)."""
+    """Per forward step: (mode, the layer_id of each get_cached_swa_loc call, translations,
+    hits)."""
     pool, steps, calls = engine.pool, [], []
     get = pool.get_cached_swa_loc
 
@@ -47,28 +49,42 @@ def watch_steps(engine, monkeypatch):
 
 @pytest.mark.parametrize("multi_stream", ["0", "1"])
 @pytest.mark.parametrize("cache", ["1", "0"])
-def test_each_prepare_path_uses_the_cached_translation(model, monkeypatch, flag_env, multi_stream,
-                                                       cache):
+def test_each_prepare_path_stores_at_the_steps_translation(model, monkeypatch, flag_env,
+                                                         multi_stream, cache):
+    """One translation per step whatever the cache flag (the metadata asks once, for all
+    layers), and every layer's store receives that very tensor."""
     flag_env(DSV4_MULTI_STREAM_PREPARE=multi_stream, DSV4_CACHE_SWA_TRANSLATION=cache)
     engine = Engine(model, max_batch=2, max_context_len=256, graph=False)
     steps = watch_steps(engine, monkeypatch)
-    paths = []
-    for name in ("_forward_prepare", "_forward_prepare_multi_stream_hip"):
-        def spy(self, *args, _name=name, _f=getattr(DeepseekV4DecoderLayer, name)):
+    paths, stored_at, translated = [], [], []
+    for name in ("prepare", "prepare_multi_stream"):
+        def spy(self, *args, _name=name, _f=getattr(PagedAttention, name)):
             paths.append(_name)
             return _f(self, *args)
-        monkeypatch.setattr(DeepseekV4DecoderLayer, name, spy)
+        monkeypatch.setattr(PagedAttention, name, spy)
+    store = engine.pool.set_swa_key_buffer_radix_fused_norm_rope
+    translate = engine.pool.get_cached_swa_loc
+
+    def spy_store(layer_id, swa_loc, *args, **kwargs):
+        stored_at.append(swa_loc)
+        return store(layer_id, swa_loc, *args, **kwargs)
+
+    def spy_translate(loc, layer_id=None):
+        translated.append(translate(loc, layer_id))
+        return translated[-1]
+
+    monkeypatch.setattr(engine.pool, "set_swa_key_buffer_radix_fused_norm_rope", spy_store)
+    monkeypatch.setattr(engine.pool, "get_cached_swa_loc", spy_translate)
     engine.generate(PROMPTS, STEPS)
-    want = "_forward_prepare_multi_stream_hip" if multi_stream == "1" else "_forward_prepare"
+    want = "prepare_multi_stream" if multi_stream == "1" else "prepare"
     assert paths == [want] * (TINY.n_layers * STEPS)
     assert [mode for mode, *_ in steps] == ["extend"] + ["decode"] * (STEPS - 1)
-    layers = list(range(TINY.n_layers))
     for mode, called, translations, hits in steps:
-        assert called == layers                     # every layer, in order, once
-        if cache == "1":
-            assert (translations, hits) == (1, TINY.n_layers - 1), mode
-        else:
-            assert (translations, hits) == (TINY.n_layers, 0), mode
+        assert called == [None], mode               # once per step, not per layer
+        assert (translations, hits) == (1, 0), mode
+    assert len(translated) == STEPS and len(stored_at) == TINY.n_layers * STEPS
+    for i, slots in enumerate(stored_at):
+        assert slots is translated[i // TINY.n_layers]
 
 
 def test_multi_stream_prepare_gives_identical_results(model, flag_env):
@@ -103,4 +119,28 @@ def test_a_layer_binds_its_caches_once_per_pool(model, monkeypatch):
     first.generate(PROMPTS[:1], 2)
     assert len(made) == 3 * TINY.n_layers
     layer = model.layers[1]
-    assert layer._bound_caches(first.pool).swa is first.pool.get_swa_cache(1)
+    assert layer.paged.caches(first.pool).swa is first.pool.get_swa_cache(1)
+
+
+def test_the_write_slot_is_the_windows_newest_row(model, monkeypatch):
+    """The metadata's write slot (the pool's translation of out_cache_loc) is the SWA slot that
+    req_to_token -> full_to_swa gives for each token's own position: the window's last row."""
+    import dsv4.model as dm
+
+    build, metas = dm.build_attention_metadata, []
+
+    def spy(batch, req_to_token, full_to_swa, *args, **kwargs):
+        meta = build(batch, req_to_token, full_to_swa, *args, **kwargs)
+        rows = batch.req_pool_indices.long()[batch.token_request_rows()]
+        full = req_to_token[rows, batch.positions.long()].long()
+        metas.append((meta, full_to_swa[full].clone(), batch.out_cache_loc.clone()))
+        return meta
+
+    monkeypatch.setattr(dm, "build_attention_metadata", spy)
+    Engine(model, max_batch=2, max_context_len=256, graph=False).generate(PROMPTS, STEPS)
+    assert len(metas) == STEPS
+    for meta, want, out_loc in metas:
+        assert torch.equal(meta.swa_write_loc.long(), want.long())
+        assert torch.equal(meta.window_loc[:, -1].long(), want.long())
+        assert bool(meta.window_valid[:, -1].all())
+        assert meta.swa_write_loc.shape == out_loc.shape

@@ -141,7 +141,7 @@ def run_ref(args, tokens, max_seq_len):
 # ---- this repo ----------------------------------------------------------------------------------
 
 def instrument_ours(model, rec: Recorder):
-    import dsv4.model as dm
+    import dsv4.paged_attention as dm
     from dsv4.layers import mhc
     from dsv4.layers.attention import Attention
     from dsv4.layers.indexer import Indexer
