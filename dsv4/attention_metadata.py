@@ -108,7 +108,7 @@ def _compress_plan(batch, ratio, ring, pos, req, seq_len, first_new, full_loc, n
     else:
         tokens = torch.nonzero((pos + 1) % ratio == 0).flatten()
     p = pos[tokens]
-    width = 2 * ratio if ratio == 4 else ratio
+    width = ring             # a pool reads as many rows as the ring keeps (8 overlapping at 4)
     qpos = p[:, None] - torch.arange(width - 1, -1, -1, device=dev)        # oldest first
     new = qpos >= first_new[tokens][:, None]
     src_new = torch.where(new, tokens[:, None] - (p[:, None] - qpos), -1)

@@ -15,6 +15,8 @@ import logging
 import torch
 from torch import nn
 
+from mem_pool.kv_cache_spec import STATE_RING
+
 from . import envs
 from .attention_metadata import AttentionMetadata, build_attention_metadata
 from .config import ModelConfig
@@ -110,8 +112,7 @@ class DeepseekV4Model(nn.Module):
 
     def compress_ratios(self) -> dict[int, int]:
         """Compress ratio -> state ring size, for the ratios this model's layers use."""
-        return {r: 2 * r if r == 4 else r for r in sorted({l.compress_ratio for l in self.layers})
-                if r}
+        return {r: STATE_RING[r] for r in sorted({l.compress_ratio for l in self.layers}) if r}
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, token_to_kv_pool, req_to_token: torch.Tensor,
