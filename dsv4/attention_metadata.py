@@ -48,8 +48,9 @@ class AttentionMetadata:
     window_loc: torch.Tensor     # [N, W] SWA slots, oldest first (0 where invalid)
     window_valid: torch.Tensor   # [N, W]
     plans: dict[int, CompressPlan]
-    swa_write_loc: torch.Tensor  # [N] SWA slot each new token's KV row is stored at (int32;
-    #                              = window_loc[:, -1])
+    swa_write_loc: torch.Tensor | None  # [N] SWA slot each new token's KV row is stored at
+    #                                     (int32, = window_loc[:, -1]); None: the store kernels
+    #                                     translate out_cache_loc themselves
 
 
 def state_ring_rows(req_slots: torch.Tensor, positions: torch.Tensor,
@@ -59,12 +60,14 @@ def state_ring_rows(req_slots: torch.Tensor, positions: torch.Tensor,
 
 
 def build_attention_metadata(batch: ForwardBatch, req_to_token: torch.Tensor,
-                             full_to_swa: torch.Tensor, swa_write_loc: torch.Tensor, window: int,
+                             full_to_swa: torch.Tensor, swa_write_loc: torch.Tensor | None,
+                             window: int,
                              ratios: dict[int, int],
                              max_rows: dict[int, int] | None = None) -> AttentionMetadata:
     """``full_to_swa`` is the allocator's mapping tensor: the window's older slots are gathered
     through it directly; ``swa_write_loc`` [N] is the SWA slot of each new token (the pool's
-    translation of out_cache_loc), the window's last column. ``ratios`` maps each compress
+    translation of out_cache_loc), the window's last column; None when the stores translate
+    themselves (that column then comes through req_to_token too). ``ratios`` maps each compress
     ratio in the model to its state ring size. ``max_rows`` fixes the number of compressed rows
     per query per ratio (decode under graphs); by default it is the batch's maximum (a host
     read: extend only)."""
@@ -78,12 +81,14 @@ def build_attention_metadata(batch: ForwardBatch, req_to_token: torch.Tensor,
     def full_loc(r, p):
         return req_to_token[r, p.clamp(0, ctx - 1)].long()
 
-    q = pos[:, None] - torch.arange(window - 1, 0, -1, device=dev)       # the older positions
-    older_valid = q >= 0
-    swa = full_to_swa[full_loc(req[:, None], q)].to(swa_write_loc.dtype)
-    window_loc = torch.cat([torch.where(older_valid, swa, torch.zeros_like(swa)),
-                            swa_write_loc[:, None]], 1)
-    window_valid = torch.nn.functional.pad(older_valid, (0, 1), value=True)
+    gathered = window - (swa_write_loc is not None)     # the newest slot may be given
+    q = pos[:, None] - torch.arange(window - 1, window - 1 - gathered, -1, device=dev)
+    window_valid = q >= 0                                # oldest first
+    swa = full_to_swa[full_loc(req[:, None], q)].to(torch.int32)
+    window_loc = torch.where(window_valid, swa, torch.zeros_like(swa))
+    if swa_write_loc is not None:
+        window_loc = torch.cat([window_loc, swa_write_loc.to(torch.int32)[:, None]], 1)
+        window_valid = torch.nn.functional.pad(window_valid, (0, 1), value=True)
 
     if batch.is_decode:
         first_new = pos

@@ -7,6 +7,11 @@ PKG = "dsv4"
 MULTI_STREAM_PREPARE = bool_flag(
     "DSV4_MULTI_STREAM_PREPARE", False,
     "run the compressors of the attention prepare step on side streams", PKG)
+FUSED_SWA_TRANSLATE = bool_flag(
+    "DSV4_FUSED_SWA_TRANSLATE", False,
+    "each layer stores its window KV row with fused_translate_norm_rope_store, the kernel mapping "
+    "out_cache_loc to SWA slots itself (no translation op in a step); 0 = the pool's cached "
+    "translation, once per step in the attention metadata", PKG)
 GRAPH = bool_flag(
     "DSV4_GRAPH", True,
     "capture and replay decode steps as graphs (HIP graphs on ROCm, emulated on CPU)", PKG)

@@ -123,9 +123,10 @@ class DeepseekV4Model(nn.Module):
         per ratio (needed under graph capture; default: the batch's maximum)."""
         if multi_stream is None:
             multi_stream = envs.MULTI_STREAM_PREPARE.get()
+        swa_write_loc = (None if envs.FUSED_SWA_TRANSLATE.get()
+                         else token_to_kv_pool.get_cached_swa_loc(batch.out_cache_loc))
         meta = build_attention_metadata(
-            batch, req_to_token, token_to_kv_pool.full_to_swa_index_mapping,
-            token_to_kv_pool.get_cached_swa_loc(batch.out_cache_loc),
+            batch, req_to_token, token_to_kv_pool.full_to_swa_index_mapping, swa_write_loc,
             self.config.window_size, self.compress_ratios(), max_rows)
         x = self.embed_tokens(batch.input_ids)
         for layer in self.layers:

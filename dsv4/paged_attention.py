@@ -169,12 +169,18 @@ class PagedAttention:
 
     def project_q_store_kv(self, y, batch, meta, pool, freqs_cis):
         """(q, qr): Q projection; window KV norm + RoPE + FP8 store at the step's SWA write
-        slots, fused with q's weightless norm + RoPE (in place)."""
+        slots (or, when the metadata has none, at out_cache_loc translated inside the store
+        kernel), fused with q's weightless norm + RoPE (in place)."""
         q, qr = self.attn.project_q(y)
         kv = self.attn.project_kv(y)
-        pool.set_swa_key_buffer_radix_fused_norm_rope(
-            self.layer_id, meta.swa_write_loc, kv, self.attn.kv_norm.weight, self.attn.eps,
-            freqs_cis, batch.positions, q=q, numerics=numerics.store_numerics())
+        args = (kv, self.attn.kv_norm.weight, self.attn.eps, freqs_cis, batch.positions)
+        if meta.swa_write_loc is None:
+            pool.set_swa_key_buffer_fused_translate_norm_rope(
+                self.layer_id, batch.out_cache_loc, *args, q=q,
+                numerics=numerics.store_numerics())
+        else:
+            pool.set_swa_key_buffer_radix_fused_norm_rope(
+                self.layer_id, meta.swa_write_loc, *args, q=q, numerics=numerics.store_numerics())
         return q, qr
 
     def prepare(self, y, batch, meta, pool, caches, freqs_cis):

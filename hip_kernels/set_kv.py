@@ -138,12 +138,16 @@ def indexer_store(k, cache, out_loc, page_size, pow2_scale: bool = False) -> Non
 
 
 def fused_translate_norm_rope_store(kv, weight, eps, freqs_cis, positions, full_loc, full_to_swa,
-                                    cache, page_size, swa_loc_out=None) -> None:
-    """As fused_k_norm_rope_store, but translates full-pool locations through full_to_swa inside
-    the kernel. Negative full locations and unmapped (0) slots write nothing. swa_loc_out [N]
-    int32, if given, receives the translated slots (-1 for negative locations)."""
+                                    cache, page_size, swa_loc_out=None, q=None,
+                                    numerics: StoreNumerics = DEFAULT_NUMERICS) -> None:
+    """As fused_k_norm_rope_store (q and numerics included), but translates full-pool locations
+    through full_to_swa inside the kernel. Negative full locations and unmapped (0) slots write
+    nothing. swa_loc_out [N] int32, if given, receives the translated slots (-1 for negative
+    locations)."""
+    _check_numerics(numerics)
     _check_norm_rope_args(kv, weight, eps, freqs_cis, positions, cache, page_size)
     n, dev = kv.shape[0], kv.device
+    _check_q(q, n, dev)
     check_tensor("full_to_swa", full_to_swa, dtypes=(torch.int32, torch.int64), dim=1, device=dev)
     check_locations("full_loc", full_loc, n, full_to_swa.shape[0], dev)
     if swa_loc_out is not None:
@@ -154,7 +158,7 @@ def fused_translate_norm_rope_store(kv, weight, eps, freqs_cis, positions, full_
             full_loc, full_to_swa), capacity, "full_to_swa maps a location of full_loc to SWA "
             f"slot {{hi}} but the cache has {capacity} slots")
     backend = resolve("fused_translate_norm_rope_store", dev,
-                      _hip_ok(DEFAULT_NUMERICS, cache, weight is not None))
+                      _hip_ok(numerics, cache, weight is not None))
     ops.fused_translate_norm_rope_store(kv, weight, float(eps), freqs_cis, positions, full_loc,
-                                        full_to_swa, cache, page_size, swa_loc_out, backend,
-                                        fp8_dialect().name)
+                                        full_to_swa, cache, page_size, swa_loc_out, q, backend,
+                                        fp8_dialect().name, *numerics_args(numerics))

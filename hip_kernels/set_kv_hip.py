@@ -145,8 +145,10 @@ def fused_store_cache(rows, cache, out_loc, page_size, dialect: Fp8Dialect,
 
 
 def fused_translate_norm_rope_store(kv, weight, eps, freqs_cis, positions, full_loc, full_to_swa,
-                                    cache, page_size, swa_loc_out, dialect: Fp8Dialect) -> None:
+                                    cache, page_size, swa_loc_out, dialect: Fp8Dialect, q=None,
+                                    numerics: StoreNumerics = DEFAULT_NUMERICS) -> None:
+    _checked(numerics)
     _ops().translate_norm_rope_store(kv, _weight(weight), float(eps),
                                      torch.view_as_real(freqs_cis), positions, full_loc,
                                      full_to_swa, cache, page_size, swa_loc_out,
-                                     dialect.name == "fnuz")
+                                     dialect.name == "fnuz", q, numerics.rms, numerics.q_mode)

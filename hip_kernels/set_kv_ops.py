@@ -36,7 +36,7 @@ SCHEMAS = {
     "fused_translate_norm_rope_store": (
         "Tensor kv, Tensor? weight, float eps, Tensor freqs_cis, Tensor positions, "
         "Tensor full_loc, Tensor full_to_swa, Tensor(a!) cache, int page_size, "
-        "Tensor(b!)? swa_loc_out, str backend, str dialect"),
+        f"Tensor(b!)? swa_loc_out, Tensor(c!)? q, str backend, str dialect, {NUMERICS_ARGS}"),
 }
 
 
@@ -73,11 +73,11 @@ def _indexer_store(k, cache, out_loc, page_size, backend, dialect, pow2_scale=Fa
 
 
 def _fused_translate_norm_rope_store(kv, weight, eps, freqs_cis, positions, full_loc,
-                                     full_to_swa, cache, page_size, swa_loc_out, backend,
-                                     dialect):
+                                     full_to_swa, cache, page_size, swa_loc_out, q, backend,
+                                     dialect, *numerics):
     implementation(backend).fused_translate_norm_rope_store(
         kv, weight, eps, freqs_cis, positions, full_loc, full_to_swa, cache, page_size,
-        swa_loc_out, DIALECTS[dialect])
+        swa_loc_out, DIALECTS[dialect], q=q, **_numerics_kwarg(*numerics))
 
 
 IMPLS = {"fused_k_norm_rope_store": _fused_k_norm_rope_store,

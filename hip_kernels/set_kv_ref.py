@@ -137,10 +137,12 @@ def translate_full_to_swa(full_loc: torch.Tensor, full_to_swa: torch.Tensor) -> 
 
 
 def fused_translate_norm_rope_store(kv, weight, eps, freqs_cis, positions, full_loc, full_to_swa,
-                                    cache, page_size, swa_loc_out, dialect: Fp8Dialect) -> None:
+                                    cache, page_size, swa_loc_out, dialect: Fp8Dialect, q=None,
+                                    numerics: StoreNumerics = DEFAULT_NUMERICS) -> None:
+    """fused_k_norm_rope_store at the SWA slots of full_loc (unmapped slot 0: no write)."""
     swa = translate_full_to_swa(full_loc, full_to_swa)
     write_loc = torch.where(swa > 0, swa, torch.full_like(swa, -1))
-    rows, _ = _norm_rope_rows(kv, weight, eps, freqs_cis, positions, DEFAULT_NUMERICS)
-    _store_rows(rows, cache, write_loc, page_size, dialect)
+    fused_k_norm_rope_store(kv, weight, eps, freqs_cis, positions, write_loc, cache, page_size, q,
+                            dialect, numerics)
     if swa_loc_out is not None:
         swa_loc_out.copy_(swa)

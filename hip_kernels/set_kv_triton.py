@@ -145,9 +145,10 @@ def fused_k_norm_rope_store(kv, weight, eps, freqs_cis, positions, out_loc, cach
 
 
 def fused_translate_norm_rope_store(kv, weight, eps, freqs_cis, positions, full_loc, full_to_swa,
-                                    cache, page_size, swa_loc_out, dialect) -> None:
+                                    cache, page_size, swa_loc_out, dialect, q=None,
+                                    numerics=DEFAULT_NUMERICS) -> None:
     _launch_norm_rope(kv, weight, eps, freqs_cis, positions, full_loc, full_to_swa, swa_loc_out,
-                      cache, page_size, None, dialect)
+                      cache, page_size, q, dialect, numerics)
 
 
 @triton.jit

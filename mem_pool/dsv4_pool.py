@@ -13,7 +13,8 @@ import logging
 import torch
 
 from hip_kernels import (DEFAULT_NUMERICS, fused_k_norm_rope_store, fused_store_cache,
-                         indexer_page_bytes, page_bytes, store_kv_pack)
+                         fused_translate_norm_rope_store, indexer_page_bytes, page_bytes,
+                         store_kv_pack)
 from hip_kernels.capture import is_capturing
 from hip_kernels.checks import value_checks_enabled
 
@@ -239,6 +240,17 @@ class DeepSeekV4TokenToKVPool:
         fused_k_norm_rope_store(kv, kv_weight, eps, freqs_cis, positions, swa_loc,
                                 self.get_swa_cache(layer_id), self.page_size, q=q,
                                 numerics=numerics)
+
+    def set_swa_key_buffer_fused_translate_norm_rope(self, layer_id: int, full_loc: torch.Tensor,
+                                                     kv, kv_weight, eps: float, freqs_cis,
+                                                     positions, q=None,
+                                                     numerics=DEFAULT_NUMERICS) -> None:
+        """As set_swa_key_buffer_radix_fused_norm_rope, at the SWA slots of full-pool locations:
+        the kernel reads the registered full->SWA mapping itself (no translation op; unmapped
+        slot 0 and negative locations write nothing)."""
+        fused_translate_norm_rope_store(kv, kv_weight, eps, freqs_cis, positions, full_loc,
+                                        self.registered_mapping(), self.get_swa_cache(layer_id),
+                                        self.page_size, q=q, numerics=numerics)
 
     # ---- host copies ----------------------------------------------------------------------
 

@@ -26,8 +26,7 @@ def make_case(op: str, seed: int, n: int, page_size: int, pages: int, heads: int
         g = gen(seed)
         return dict(rows=bf16_rows(g, n, L.HEAD_DIM, pad=64), cache=kv_cache(pages, page_size),
                     out_loc=locations(g, n, pages * page_size, loc_dtype), page_size=page_size)
-    q_heads = heads if op == "fused_k_norm_rope_store" else 0
-    args = norm_rope_args(seed, n, page_size, pages, q_heads, loc_dtype, weight_dtype)
+    args = norm_rope_args(seed, n, page_size, pages, heads, loc_dtype, weight_dtype)
     if op == "fused_k_norm_rope_store":
         return args
     del args["out_loc"]
@@ -90,9 +89,9 @@ def reference(op: str, args: dict, dialect) -> dict:
     computed on CPU copies."""
     ref = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in clone_args(args).items()}
     fn = getattr(R, op)
-    if op == "fused_k_norm_rope_store":
+    if op != "fused_store_cache":
         ref.setdefault("q", None)
-    elif op == "fused_translate_norm_rope_store":
+    if op == "fused_translate_norm_rope_store":
         ref.setdefault("swa_loc_out", None)
     fn(**ref, dialect=dialect)
     return outputs(ref)

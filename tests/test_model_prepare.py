@@ -144,3 +144,36 @@ def test_the_write_slot_is_the_windows_newest_row(model, monkeypatch):
         assert torch.equal(meta.window_loc[:, -1].long(), want.long())
         assert bool(meta.window_valid[:, -1].all())
         assert meta.swa_write_loc.shape == out_loc.shape
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_the_fused_translating_store_gives_the_same_bits(model, monkeypatch, flag_env, graph):
+    """DSV4_FUSED_SWA_TRANSLATE=1: every layer's store translates out_cache_loc inside the
+    kernel (the pool's translation is never asked) and the logits are the default's, bit for
+    bit, eager and under decode graphs."""
+    out = {}
+    for flag in ("0", "1"):
+        flag_env(DSV4_FUSED_SWA_TRANSLATE=flag)
+        engine = Engine(model, max_batch=2, max_context_len=256, graph=graph)
+        calls = {"translate": 0, "fused": 0}
+        translate = engine.pool.get_cached_swa_loc
+        fused = engine.pool.set_swa_key_buffer_fused_translate_norm_rope
+
+        def spy_translate(*a, **k):
+            calls["translate"] += 1
+            return translate(*a, **k)
+
+        def spy_fused(*a, **k):
+            calls["fused"] += 1
+            return fused(*a, **k)
+
+        monkeypatch.setattr(engine.pool, "get_cached_swa_loc", spy_translate)
+        monkeypatch.setattr(engine.pool, "set_swa_key_buffer_fused_translate_norm_rope",
+                            spy_fused)
+        out[flag] = engine.generate(PROMPTS, STEPS, return_logits=True)
+        if flag == "1":
+            assert calls["translate"] == 0 and calls["fused"] >= TINY.n_layers
+        else:
+            assert calls["translate"] >= 1 and calls["fused"] == 0
+    assert out["0"].tokens == out["1"].tokens
+    assert torch.equal(out["0"].logits, out["1"].logits)

@@ -60,7 +60,8 @@ def run_host(host_ops, op: str, args: dict, dialect, lanes: int) -> dict:
                                    fnuz, lanes)
     else:
         host_ops.translate_norm_rope_store(*common, a["full_loc"], a["full_to_swa"], a["cache"],
-                                           a["page_size"], a.get("swa_loc_out"), fnuz, lanes)
+                                           a["page_size"], a.get("swa_loc_out"), fnuz, lanes,
+                                           a.get("q"))
     return outputs(a)
 
 
@@ -75,7 +76,8 @@ def run_host_in_place(host_ops, op: str, a: dict) -> dict:
     else:
         host_ops.translate_norm_rope_store(a["kv"], a["weight"], a["eps"], freqs, a["positions"],
                                            a["full_loc"], a["full_to_swa"], a["cache"],
-                                           a["page_size"], a.get("swa_loc_out"), True, 64)
+                                           a["page_size"], a.get("swa_loc_out"), True, 64,
+                                           a.get("q"))
     return outputs(a)
 
 
@@ -367,3 +369,36 @@ def test_hip_wrapper_passes_the_numerics(host_ops, monkeypatch):
     with pytest.raises(ValueError, match="do not implement"):
         set_kv_hip.fused_k_norm_rope_store(**clone_args(args), dialect=OCP,
                                            numerics=L.StoreNumerics(q_mode="rope_only"))
+
+
+@pytest.mark.parametrize("numerics", [L.DEFAULT_NUMERICS, RN], ids=["default", "reference"])
+@pytest.mark.parametrize("dialect", [FNUZ, OCP], ids=str)
+def test_translate_with_q_stores_what_the_plain_store_does(host_ops, dialect, numerics):
+    """The translating op (q and numerics included) writes the bytes and the q the plain store
+    writes at the translated slots (unmapped slot 0 and negative locations: no write), through
+    the HIP wrapper and its dispatcher op."""
+    from hip_kernels import set_kv_hip
+    from hip_kernels.set_kv_ops import numerics_args, ops
+
+    class Extension:  # the harness ops take the lane count after fnuz
+        def translate_norm_rope_store(self, *a):
+            host_ops.translate_norm_rope_store(*a[:11], 64, *a[11:])
+
+    args = make_case("fused_translate_norm_rope_store", 5, 8, 2, 8, 2, torch.int64,
+                     torch.bfloat16)
+    swa = R.translate_full_to_swa(args["full_loc"], args["full_to_swa"])
+    assert (swa == 0).any() and (swa < 0).any() and "q" in args
+    plain = clone_args(args)
+    for k in ("full_loc", "full_to_swa", "swa_loc_out"):
+        del plain[k]
+    plain["out_loc"] = torch.where(swa > 0, swa, -1)
+    want = run_host_numerics(host_ops, plain, dialect, 64, numerics)
+    a = clone_args(args)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(set_kv_hip, "_ops", Extension)
+        ops.fused_translate_norm_rope_store(
+            a["kv"], a["weight"], a["eps"], a["freqs_cis"], a["positions"], a["full_loc"],
+            a["full_to_swa"], a["cache"], a["page_size"], a["swa_loc_out"], a["q"], "hip",
+            dialect.name, *numerics_args(numerics))
+    assert same_bytes(a["cache"], want["cache"]) and same_bytes(a["q"], want["q"])
+    assert torch.equal(a["swa_loc_out"], swa)

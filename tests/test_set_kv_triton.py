@@ -296,3 +296,31 @@ def test_indexer_store_with_power_of_two_scales_reads_fp4_keys_back_exactly(flag
     hip_kernels.indexer_store(**plain)
     lossy = L.read_indexer_rows(plain["cache"].cpu(), loc, page_size, hip_kernels.fp8_dialect())
     assert not torch.equal(lossy, k.float())
+
+
+@pytest.mark.parametrize("numerics", [L.DEFAULT_NUMERICS, L.REFERENCE_NUMERICS],
+                         ids=["default", "reference"])
+def test_translate_with_q_stores_what_the_plain_store_does(flag_env, numerics):
+    """The translating op with q and numerics: Triton writes the bytes and the q that its plain
+    store writes at the translated slots; with the default numerics the torch reference too."""
+    args = translate_args(5, 9, 2, torch.int64, True, 1)
+    args["q"] = norm_rope_args(6, 9, 2, 1, heads=3)["q"]
+    full = args["full_loc"].long()
+    swa = torch.where(full >= 0, args["full_to_swa"][full.clamp_min(0)].long(), -1)
+    plain = clone_args(args)
+    for k in ("full_loc", "full_to_swa", "swa_loc_out"):
+        del plain[k]
+    plain["out_loc"] = torch.where(swa > 0, swa, -1)
+    got, want = {}, {}
+    for backend in ("torch", "triton"):
+        flag_env(DSV4_KERNEL_BACKEND=backend)
+        a, p = to_device(clone_args(args), DEV), to_device(clone_args(plain), DEV)
+        hip_kernels.fused_translate_norm_rope_store(**a, numerics=numerics)
+        hip_kernels.fused_k_norm_rope_store(**p, numerics=numerics)
+        got[backend], want[backend] = to_device(a, "cpu"), to_device(p, "cpu")
+        for name in ("cache", "q"):
+            assert same_bytes(got[backend][name], want[backend][name]), (backend, name)
+        assert not same_bytes(got[backend]["q"], args["q"]), "q was not touched"
+    if numerics == L.DEFAULT_NUMERICS:
+        for name in ("cache", "q", "swa_loc_out"):
+            assert same_bytes(got["triton"][name], got["torch"][name]), name

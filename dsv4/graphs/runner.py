@@ -42,7 +42,8 @@ logger = logging.getLogger(__name__)
 CAPTURE_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 # Flags whose value changes the ops a decode graph contains.
-DECODE_GRAPH_FLAGS = (envs.MULTI_STREAM_PREPARE, pool_envs.CACHE_SWA_TRANSLATION,
+DECODE_GRAPH_FLAGS = (envs.MULTI_STREAM_PREPARE, envs.FUSED_SWA_TRANSLATE,
+                      pool_envs.CACHE_SWA_TRANSLATION,
                       kernel_envs.KERNEL_BACKEND, kernel_envs.FP8_DIALECT, kernel_envs.NUMERICS)
 
 StaticInputs = dict[str, torch.Tensor]

@@ -101,6 +101,22 @@ inline void set_rms_modes(SetKvParams& p, std::string_view rms, std::string_view
   p.q_rms = q_mode == "bf16_norm_rope" ? RmsMode::kBf16Ops : p.kv_rms;
 }
 
+// q [N, H, 512] bf16, normed and rotated in place beside the KV row (absent: no q work).
+inline void set_q(SetKvParams& p, const std::optional<at::Tensor>& q, const at::Tensor& kv) {
+  if (!q.has_value()) return;
+  const at::Tensor& t = *q;
+  check_device(t, "q", kv);
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.dim() == 3 && t.size(0) == p.num_rows &&
+                  t.size(2) == kHeadDim && t.stride(2) == 1,
+              "q must be bfloat16 [", p.num_rows, ", H, ", kHeadDim,
+              "] with unit inner stride, got ", t.scalar_type(), " ", t.sizes(), " strides ",
+              t.strides());
+  p.q = static_cast<uint16_t*>(t.data_ptr());
+  p.q_row_stride = t.stride(0);
+  p.q_head_stride = t.stride(1);
+  p.num_heads = t.size(1);
+}
+
 inline SetKvParams k_norm_rope_store_params(const at::Tensor& kv, const at::Tensor& weight,
                                             double eps, const at::Tensor& freqs,
                                             const at::Tensor& positions, const at::Tensor& out_loc,
@@ -113,19 +129,7 @@ inline SetKvParams k_norm_rope_store_params(const at::Tensor& kv, const at::Tens
   set_norm_rope(p, kv, weight, eps, freqs, positions);
   p.loc = index_array(out_loc, "out_loc", kv, p.num_rows);
   set_cache(p, cache, page_size, kv);
-  if (q.has_value()) {
-    const at::Tensor& t = *q;
-    check_device(t, "q", kv);
-    TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.dim() == 3 && t.size(0) == p.num_rows &&
-                    t.size(2) == kHeadDim && t.stride(2) == 1,
-                "q must be bfloat16 [", p.num_rows, ", H, ", kHeadDim,
-                "] with unit inner stride, got ", t.scalar_type(), " ", t.sizes(), " strides ",
-                t.strides());
-    p.q = static_cast<uint16_t*>(t.data_ptr());
-    p.q_row_stride = t.stride(0);
-    p.q_head_stride = t.stride(1);
-    p.num_heads = t.size(1);
-  }
+  set_q(p, q, kv);
   return p;
 }
 
@@ -144,8 +148,11 @@ inline SetKvParams store_cache_params(const at::Tensor& rows, const at::Tensor& 
 inline SetKvParams translate_norm_rope_store_params(
     const at::Tensor& kv, const at::Tensor& weight, double eps, const at::Tensor& freqs,
     const at::Tensor& positions, const at::Tensor& full_loc, const at::Tensor& full_to_swa,
-    const at::Tensor& cache, int64_t page_size, const std::optional<at::Tensor>& swa_loc_out) {
+    const at::Tensor& cache, int64_t page_size, const std::optional<at::Tensor>& swa_loc_out,
+    const std::optional<at::Tensor>& q = std::nullopt, std::string_view rms = "exact",
+    std::string_view q_mode = "norm_rope") {
   SetKvParams p;
+  set_rms_modes(p, rms, q_mode);
   set_norm_rope(p, kv, weight, eps, freqs, positions);
   p.loc = index_array(full_loc, "full_loc", kv, p.num_rows);
   p.full_to_swa = index_array(full_to_swa, "full_to_swa", kv, -1);
@@ -160,6 +167,7 @@ inline SetKvParams translate_norm_rope_store_params(
     p.swa_loc_out = static_cast<int32_t*>(t.data_ptr());
     p.swa_loc_out_stride = t.stride(0);
   }
+  set_q(p, q, kv);
   return p;
 }
 

@@ -37,9 +37,13 @@ void translate_norm_rope_store(const at::Tensor& kv, const at::Tensor& weight, d
                                const at::Tensor& freqs, const at::Tensor& positions,
                                const at::Tensor& full_loc, const at::Tensor& full_to_swa,
                                const at::Tensor& cache, int64_t page_size,
-                               const std::optional<at::Tensor>& swa_loc_out, bool fnuz) {
+                               const std::optional<at::Tensor>& swa_loc_out, bool fnuz,
+                               const std::optional<at::Tensor>& q, c10::string_view rms,
+                               c10::string_view q_mode) {
   launch(translate_norm_rope_store_params(kv, weight, eps, freqs, positions, full_loc, full_to_swa,
-                                          cache, page_size, swa_loc_out),
+                                          cache, page_size, swa_loc_out, q,
+                                          std::string_view(rms.data(), rms.size()),
+                                          std::string_view(q_mode.data(), q_mode.size())),
          kv, fnuz);
 }
 
@@ -54,7 +58,8 @@ TORCH_LIBRARY(dsv4_set_kv, m) {
         "-> ()");
   m.def("translate_norm_rope_store(Tensor kv, Tensor weight, float eps, Tensor freqs, "
         "Tensor positions, Tensor full_loc, Tensor full_to_swa, Tensor(a!) cache, int page_size, "
-        "Tensor(b!)? swa_loc_out, bool fnuz) -> ()");
+        "Tensor(b!)? swa_loc_out, bool fnuz, Tensor(c!)? q=None, str rms=\"exact\", "
+        "str q_mode=\"norm_rope\") -> ()");
 }
 
 TORCH_LIBRARY_IMPL(dsv4_set_kv, CUDA, m) {

@@ -104,9 +104,13 @@ void translate_norm_rope_store(const Tensor& kv, const Tensor& weight, double ep
                                const Tensor& freqs, const Tensor& positions,
                                const Tensor& full_loc, const Tensor& full_to_swa,
                                const Tensor& cache, int64_t page_size,
-                               const OptTensor& swa_loc_out, bool fnuz, int64_t lanes) {
-  dsv4::run(dsv4::translate_norm_rope_store_params(kv, weight, eps, freqs, positions, full_loc,
-                                                   full_to_swa, cache, page_size, swa_loc_out),
+                               const OptTensor& swa_loc_out, bool fnuz, int64_t lanes,
+                               const OptTensor& q, c10::string_view rms,
+                               c10::string_view q_mode) {
+  dsv4::run(dsv4::translate_norm_rope_store_params(
+                kv, weight, eps, freqs, positions, full_loc, full_to_swa, cache, page_size,
+                swa_loc_out, q, std::string_view(rms.data(), rms.size()),
+                std::string_view(q_mode.data(), q_mode.size())),
             fnuz, lanes);
 }
 }  // namespace
@@ -117,5 +121,9 @@ TORCH_LIBRARY(dsv4_set_kv_host, m) {
         "str rms=\"exact\", str q_mode=\"norm_rope\") -> ()",
         &k_norm_rope_store);
   m.def("store_cache", &store_cache);
-  m.def("translate_norm_rope_store", &translate_norm_rope_store);
+  m.def("translate_norm_rope_store(Tensor kv, Tensor weight, float eps, Tensor freqs, "
+        "Tensor positions, Tensor full_loc, Tensor full_to_swa, Tensor cache, int page_size, "
+        "Tensor? swa_loc_out, bool fnuz, int lanes, Tensor? q=None, str rms=\"exact\", "
+        "str q_mode=\"norm_rope\") -> ()",
+        &translate_norm_rope_store);
 }
