@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from hip_kernels import kv_layout, numerics, set_kv
+from hip_kernels.indexer_scores import indexer_scores
 
 from . import streams
 
@@ -79,12 +80,12 @@ def run_compressor(comp: Compressor, x: torch.Tensor, positions: torch.Tensor, p
 
 def select_rows(indexer: Indexer, qr, x, freqs, plan: CompressPlan, rows: slice, cache,
                 page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(compressed locations [n, k], valid [n, k]) the indexer keeps for the queries in rows."""
+    """(compressed locations [n, k], valid [n, k]) the indexer keeps for the queries in rows.
+    The scores are one op reading the FP8 key cache in place (a Triton kernel on a GPU)."""
     q = indexer.project_q(qr, freqs)
     w = indexer.head_weights(x)
-    loc = plan.row_loc[rows]
-    keys = kv_layout.read_indexer_rows(cache, loc, page_size)
-    pick = indexer.select(Indexer.scores(q, w, keys), plan.row_valid[rows])
+    loc, visible = plan.row_loc[rows], plan.row_valid[rows]
+    pick = indexer.select(indexer_scores(q, w, cache, loc, visible, page_size), visible)
     return loc.gather(1, pick.clamp(min=0)), pick >= 0
 
 

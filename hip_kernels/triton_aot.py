@@ -1,5 +1,5 @@
-"""Ahead-of-time compile of the Triton kernels (set-KV family, mHC split) for AMD targets,
-without a GPU.
+"""Ahead-of-time compile of the Triton kernels (set-KV family, mHC split, indexer scores) for AMD
+targets, without a GPU.
 
 `report()` gives, per kernel variant, the VGPR/SGPR counts, scratch bytes and the hardware fp8
 converts used (`v_cvt_pk_fp8_f32` on gfx942; none means software emulation or no fp8
@@ -81,6 +81,7 @@ def _variants(dialect):
             K.indexer_store_kernel, {"k_ptr": "*bf16", "k_stride": "i32:D", **loc},
             {"loc_stride": 1, "PAGE_SIZE": 64, **fp8, "POW2_SCALE": True}),
         "hc_split": _hc_split_variant(),
+        **_indexer_scores_variants(dialect),
     }
 
 
@@ -92,10 +93,33 @@ def _hc_split_variant():
                              "eps": "fp32"}, {"HC": 4, "BLOCK_N": BLOCK_N}
 
 
-def compile_for(kernel, signature, constexprs, arch):
+def _indexer_scores_variants(dialect):
+    """The indexer's scores as the model runs them (64 heads, bf16 q, page size 64), in both
+    numerics: bf16 on the bf16 matrix cores (as launched on a GPU), fp32 with IEEE fp32 dots.
+    A 4th element: the kernel's own launch options (four waves, one stage)."""
+    from . import indexer_scores_triton as S
+    from .triton_kv_row import fp8_constexprs
+
+    def variant(bf16):
+        w = "*bf16" if bf16 else "*fp32"
+        sig = {"q_ptr": "*bf16", "q_stride_n": "i32:D", "q_stride_h": "i32:D", "w_ptr": w,
+               "w_stride_n": "i32:D", "cache_ptr": "*u8", "loc_ptr": "*i64", "loc_stride_n": "i32",
+               "valid_ptr": "*i1", "valid_stride_n": "i32", "out_ptr": w, "n_heads": "i32:D",
+               "n_rows": "i32", "num_slots": "i32"}
+        cex = {"PAGE_SIZE": 64, "FP8": fp8_constexprs(dialect)["FP8"], "BF16": bf16,
+               "HEAD_BLOCK": S.head_block(64), "BLOCK_C": S.BLOCK_C, "D_CHUNK": S.D_CHUNK,
+               "DOT_BF16": bf16}
+        return S.indexer_scores_kernel, sig, cex, S.LAUNCH_OPTIONS
+
+    return {"indexer_scores (bf16, reference)": variant(True),
+            "indexer_scores (fp32)": variant(False)}
+
+
+def compile_for(kernel, signature, constexprs, arch, options=None):
     """Compile one kernel for hip:<arch>; returns the compiled kernel (`.asm["amdgcn"]`,
     `.metadata`). signature: arg name -> Triton type, ":D" marking an int divisible by 16;
-    constexprs: the other arguments' values."""
+    constexprs: the other arguments' values; options: launch options (default: the set-KV
+    kernels')."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -111,7 +135,8 @@ def compile_for(kernel, signature, constexprs, arch):
             attrs[(i,)] = [["tt.divisibility", 16]]
         sig[name] = ty.removesuffix(":D")
     src = ASTSource(kernel, sig, constexprs, attrs)
-    return triton.compile(src, target=GPUTarget("hip", arch, 64), options=dict(LAUNCH_OPTIONS))
+    return triton.compile(src, target=GPUTarget("hip", arch, 64),
+                          options=dict(LAUNCH_OPTIONS if options is None else options))
 
 
 def _metadata_int(amdgcn: str, key: str) -> int:
@@ -136,8 +161,8 @@ def report(archs=ARCHS) -> list[dict]:
     rows = []
     for arch in archs:
         dialect = dialect_for_arch(arch)
-        for name, (kernel, signature, constexprs) in _variants(dialect).items():
-            amdgcn = compile_for(kernel, signature, constexprs, arch).asm["amdgcn"]
+        for name, (kernel, signature, constexprs, *options) in _variants(dialect).items():
+            amdgcn = compile_for(kernel, signature, constexprs, arch, *options).asm["amdgcn"]
             rows.append({"arch": arch, "dialect": dialect.name, "kernel": name,
                          "function": kernel.__name__, **resource_usage(amdgcn)})
     return rows

@@ -1,5 +1,5 @@
-"""Every Triton kernel (set-KV, mHC split) compiles ahead of time for MI300 (gfx942) and MI350
-(gfx950).
+"""Every Triton kernel (set-KV, mHC split, indexer scores) compiles ahead of time for MI300
+(gfx942) and MI350 (gfx950).
 
 Compiled in a subprocess with the interpreter off. Asserts no scratch memory and no spills on
 either target, the hardware fp32 -> fp8 convert on both (gfx942 fnuz: v_cvt_pk_fp8_f32, not
@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from hip_kernels import mhc_split_triton, set_kv_triton  # noqa: E402
+from hip_kernels import indexer_scores_triton, mhc_split_triton, set_kv_triton  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 QUANTIZING = {"fused_k_norm_rope_store", "fused_k_norm_rope_store+q",
@@ -33,8 +33,8 @@ def report():
 
 
 def test_every_kernel_compiles_for_both_targets(report):
-    kernels = {n for mod in (set_kv_triton, mhc_split_triton) for n in dir(mod)
-               if n.endswith("_kernel")}
+    kernels = {n for mod in (set_kv_triton, mhc_split_triton, indexer_scores_triton)
+               for n in dir(mod) if n.endswith("_kernel")}
     for arch in ("gfx942", "gfx950"):
         assert {r["function"] for r in report if r["arch"] == arch} == kernels
     assert {r["kernel"] for r in report} >= QUANTIZING

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from hip_kernels import aiter_ops, numerics
+from hip_kernels.indexer_scores import indexer_scores_ref
 
 from .compressor import Compressor
 from .linear import Linear
@@ -51,10 +52,10 @@ class Indexer(nn.Module):
     @staticmethod
     def scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """q [N, Hi, 128], weights [N, Hi], keys [N, T, 128] -> scores [N, T] in weights' dtype
-        (every step rounded to it: q.k, relu, the weighting, the sum over heads)."""
-        dtype = weights.dtype
-        s = torch.einsum("nhd,ntd->nht", q.to(dtype), keys.to(dtype)).relu()
-        return (s * weights.unsqueeze(-1)).sum(1)
+        (every step rounded to it: q.k, relu, the weighting, the sum over heads). Over the
+        paged key cache the model calls ``hip_kernels.indexer_scores``, which reads the keys in
+        place and computes the same thing."""
+        return indexer_scores_ref(q, weights, keys)
 
     def select(self, scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """Top-k of scores [N, T] among visible [N, T] rows: int64 [N, min(topk, T)], -1 where a

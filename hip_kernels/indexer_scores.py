@@ -1,0 +1,124 @@
+"""The lightning indexer's scores of a query against compressed rows read from the FP8 indexer
+cache, as one dispatcher op (`torch.ops.dsv4.indexer_scores`).
+
+    score[n, t] = sum_h relu(q[n, h] . key[n, t]) * w[n, h]
+
+in the dtype of the weights w: bf16 is the reference numerics (each step rounded to bf16: the
+q.k products, relu, the weighting, the head sum), fp32 keeps every step fp32. The keys are the
+cache's rows at loc (fp8 values times their fp32 scale, see `kv_layout.read_indexer_rows`).
+Rows that are not valid score -inf, so a top-k can take the scores as they are.
+
+The torch path dequantizes every row into an fp32 [N, C, 128] copy and runs the reference
+(`indexer_scores_ref`); the Triton kernel (`indexer_scores_triton`) reads the cache bytes in
+place. In fp32 they agree to fp32 rounding (different summation orders). In bf16 the kernel
+sums the 128 exact products of each q.k in fp32 in another order than torch's CPU bf16 matmul,
+so a q.k near a bf16 rounding boundary can round the other way; the score then differs by
+about one bf16 ulp of that head's term (the tests allow one ulp of the score plus two of the
+largest term, on at most 1% of entries). In practice such flips are rare: every entry tested
+was bit-equal.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import kv_layout, set_kv_ops  # noqa: F401  (set_kv_ops defines the library first)
+from .backend import resolve
+from .checks import value_checks_enabled
+from .platform import DIALECTS, fp8_dialect
+
+LIBRARY = "dsv4"
+OP = "indexer_scores"
+Q_DTYPES = (torch.float32, torch.bfloat16)
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def indexer_scores_ref(q: torch.Tensor, weights: torch.Tensor,
+                       keys: torch.Tensor) -> torch.Tensor:
+    """q [N, Hi, 128], weights [N, Hi], keys [N, T, 128] -> scores [N, T] in weights' dtype
+    (every step rounded to it: q.k, relu, the weighting, the sum over heads)."""
+    dtype = weights.dtype
+    s = torch.einsum("nhd,ntd->nht", q.to(dtype), keys.to(dtype)).relu()
+    return (s * weights.unsqueeze(-1)).sum(1)
+
+
+def _impl(q, weights, cache, loc, valid, page_size, backend, dialect):
+    if backend == "triton":
+        from .indexer_scores_triton import indexer_scores_triton
+        return indexer_scores_triton(q, weights, cache, loc, valid, page_size, DIALECTS[dialect])
+    keys = kv_layout.read_indexer_rows(cache, loc, page_size, DIALECTS[dialect])
+    return indexer_scores_ref(q, weights, keys).masked_fill(~valid, float("-inf"))
+
+
+def _fake(q, weights, cache, loc, valid, page_size, backend, dialect):
+    return weights.new_empty(loc.shape)
+
+
+def _register() -> torch.library.Library:
+    lib = torch.library.Library(LIBRARY, "FRAGMENT")
+    lib.define(f"{OP}(Tensor q, Tensor weights, Tensor cache, Tensor loc, Tensor valid, "
+               "int page_size, str backend, str dialect) -> Tensor")
+    lib.impl(OP, _impl, "CompositeExplicitAutograd")
+    lib.impl(OP, _fake, "Meta")
+    return lib
+
+
+_LIB = _register()
+
+
+def backend_for(device: torch.device) -> str:
+    """As the set-KV ops without a HIP version: Triton for GPU tensors, the torch reference on a
+    CPU; DSV4_KERNEL_BACKEND=torch forces the reference, =triton forces Triton (on a CPU only
+    under TRITON_INTERPRET=1), =hip runs Triton where it can."""
+    return resolve(OP, device)
+
+
+def _check(name: str, t, dtypes, shape, device=None) -> None:
+    """ValueError naming the argument unless t is a tensor of one of dtypes with shape (None:
+    any size) on device."""
+    want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+    kinds = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a {kinds} tensor {want}, got {type(t).__name__}")
+    if t.dtype not in dtypes or t.dim() != len(shape) or any(
+            s is not None and s != ts for s, ts in zip(shape, t.shape)):
+        raise ValueError(f"{name} must be {kinds} {want}, got {t.dtype} {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} must be on {device} (as q), got {t.device}")
+
+
+def _check_args(q, weights, cache, loc, valid, page_size) -> None:
+    _check("q", q, Q_DTYPES, (None, None, kv_layout.INDEX_DIM))
+    n, heads = q.shape[:2]
+    dev = q.device
+    _check("weights", weights, WEIGHT_DTYPES, (n, heads), dev)
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+    _check("cache", cache, (torch.uint8,), (None, kv_layout.indexer_page_bytes(page_size)), dev)
+    if not cache.is_contiguous():
+        raise ValueError("cache must be contiguous")
+    _check("loc", loc, (torch.int64, torch.int32), (n, None), dev)
+    _check("valid", valid, (torch.bool,), tuple(loc.shape), dev)
+    if loc.numel() and value_checks_enabled():
+        capacity = cache.shape[0] * page_size
+        lo, hi = torch.stack(torch.where(valid, loc, 0).aminmax()).tolist()
+        if lo < 0 or hi >= capacity:
+            raise IndexError(f"loc holds location {lo if lo < 0 else hi} at a valid row but the "
+                             f"cache has {capacity} slots (0..{capacity - 1})")
+
+
+def indexer_scores(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor,
+                   valid: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Scores [N, C] in weights' dtype of queries q [N, Hi, 128] (fp32 or bf16) with per-head
+    weights [N, Hi] (bf16: reference numerics; fp32: fp32 numerics) against the indexer keys at
+    loc [N, C] (int64 or int32) of cache (uint8 [pages, indexer_page_bytes(page_size)]).
+    Entries where valid (bool [N, C]) is False score -inf; their loc is never read (0 by
+    convention).
+
+    The valid locations are range-checked on the host (one read) unless value checks are off
+    (inside graph capture, `trusted_locations()`, DSV4_KERNEL_VALUE_CHECKS=0); the Triton
+    kernel then scores a valid location outside the cache NaN, never reading past it."""
+    _check_args(q, weights, cache, loc, valid, page_size)
+    return torch.ops.dsv4.indexer_scores(q.contiguous(), weights.contiguous(), cache,
+                                         loc.contiguous(), valid.contiguous(), page_size,
+                                         backend_for(q.device), fp8_dialect().name)

@@ -1,0 +1,266 @@
+"""The lightning indexer's scores read from the FP8 indexer cache as one dispatcher op: the
+Triton kernel (under the interpreter, with the conversion shim) against the torch path in both
+numerics and both fp8 dialects, -inf for invalid rows, poisoned keys, offsets past 4 GiB, one
+op per call, the backend choice, argument checks, and the reference against `Indexer.scores`.
+
+Caches are written by the real store op (`set_kv.indexer_store`, the model's power-of-two
+scales). fp32 numerics: the two backends sum in different orders, so they agree to fp32
+rounding. bf16 numerics: each q.k is a sum of 128 exact products taken in fp32 in a different
+order than torch's CPU bf16 matmul, so one near a bf16 rounding boundary can round the other
+way: the scores then differ by one bf16 ulp of a head's term (plus the final rounding); all but
+a handful of entries are bit-equal.
+"""
+
+import mmap
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from hip_kernels import indexer_scores as S, set_kv  # noqa: E402
+from hip_kernels import kv_layout as L  # noqa: E402
+from hip_kernels.backend import BackendUnavailable  # noqa: E402
+from triton_interp_shim import interpreter_shim  # noqa: E402,F401 (autouse fixture)
+
+PAGE = 16
+PAGES = 9
+SLOTS = PAGE * PAGES
+DIALECTS = ("fnuz", "ocp")
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def filled_cache(g, pow2_scale=True, slots=SLOTS):
+    """An indexer cache with a stored key in every slot (keys of mixed magnitude)."""
+    k = torch.randn(slots, L.INDEX_DIM, generator=g) * 10 ** (torch.rand(slots, 1, generator=g)
+                                                              - 1)
+    cache = torch.zeros(slots // PAGE, L.indexer_page_bytes(PAGE), dtype=torch.uint8)
+    set_kv.indexer_store(k.to(torch.bfloat16), cache, torch.arange(slots), PAGE,
+                         pow2_scale=pow2_scale)
+    return cache
+
+
+def queries(g, n, heads, c, q_dtype=torch.bfloat16, w_dtype=torch.bfloat16, slots=SLOTS):
+    """(q, weights, loc, valid): locations across every page, about 1 in 5 rows invalid (loc 0),
+    weights of either sign scaled as the model's (128^-0.5 * Hi^-0.5)."""
+    q = torch.randn(n, heads, L.INDEX_DIM, generator=g).to(q_dtype)
+    w = (torch.randn(n, heads, generator=g) * (L.INDEX_DIM * heads) ** -0.5).to(w_dtype)
+    valid = torch.rand(n, c, generator=g) > 0.2
+    loc = torch.where(valid, torch.randint(0, slots, (n, c), generator=g), 0)
+    return q, w, loc, valid
+
+
+def both_backends(flag_env, dialect, *args):
+    out = {}
+    for backend in ("torch", "triton"):
+        flag_env(DSV4_KERNEL_BACKEND=backend, DSV4_FP8_DIALECT=dialect)
+        assert S.backend_for(torch.device("cpu")) == backend
+        out[backend] = S.indexer_scores(*args)
+    return out["torch"], out["triton"]
+
+
+def bf16_ulp(x):
+    """One bf16 ulp of fp32 |x| (0 for 0)."""
+    m, e = torch.frexp(x.abs())
+    return torch.where(m == 0, 0.0, torch.ldexp(torch.ones_like(m), e - 8))
+
+
+def assert_bf16_close(got, want, q, w, keys, valid):
+    """Equal but for a few entries, each within one bf16 ulp of the score plus two of the
+    largest head term (one q.k rounded the other way, carried through the weighting)."""
+    terms = torch.einsum("nhd,ntd->nht", q.bfloat16().float(), keys.bfloat16().float()).relu()
+    term_max = (terms * w.float().unsqueeze(-1)).abs().amax(1)
+    g, r = got.float()[valid], want.float()[valid]
+    bound = bf16_ulp(r) + 2 * bf16_ulp(term_max[valid])
+    assert bool(((g - r).abs() <= bound).all()), (g - r).abs().max()
+    assert int((g != r).sum()) <= max(2, r.numel() // 100)
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [8, 64])
+@pytest.mark.parametrize("n, c", [(1, 1), (3, 7), (2, 200)])
+def test_triton_matches_torch(flag_env, dialect, w_dtype, heads, n, c):
+    g = gen(DIALECTS.index(dialect) * 1000 + heads * 10 + c + (w_dtype == torch.bfloat16))
+    flag_env(DSV4_FP8_DIALECT=dialect)
+    cache = filled_cache(g)
+    q_dtype = torch.float32 if c == 7 else torch.bfloat16
+    q, w, loc, valid = queries(g, n, heads, c, q_dtype, w_dtype)
+    want, got = both_backends(flag_env, dialect, q, w, cache, loc, valid, PAGE)
+    assert got.dtype == want.dtype == w_dtype and got.shape == want.shape == (n, c)
+    assert bool(torch.isneginf(want[~valid]).all()) and bool(torch.isneginf(got[~valid]).all())
+    assert bool(torch.isfinite(want[valid]).all())
+    if w_dtype == torch.float32:
+        torch.testing.assert_close(got[valid], want[valid], rtol=1e-5, atol=1e-6)
+    else:
+        keys = L.read_indexer_rows(cache, loc, PAGE, L.fp8_dialect())
+        assert_bf16_close(got, want, q, w, keys, valid)
+
+
+def test_bf16_rounding_differences_stay_within_the_tolerance(flag_env):
+    """fp32 queries and amax / FP8_MAX scales (more mantissa bits than the model's keys) make
+    q.k sums that are not exact in fp32: the tolerance still holds."""
+    g = gen(7)
+    flag_env(DSV4_FP8_DIALECT="ocp")
+    cache = filled_cache(g, pow2_scale=False)
+    q, w, loc, valid = queries(g, 4, 64, 200, q_dtype=torch.float32)
+    want, got = both_backends(flag_env, "ocp", q, w, cache, loc, valid, PAGE)
+    keys = L.read_indexer_rows(cache, loc, PAGE, L.fp8_dialect())
+    assert_bf16_close(got, want, q, w, keys, valid)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
+def test_a_poisoned_key_scores_nan_where_valid_and_never_leaks(flag_env, w_dtype):
+    g = gen(11)
+    flag_env(DSV4_FP8_DIALECT="fnuz")
+    cache = filled_cache(g)
+    bad = torch.full((1, L.INDEX_DIM), 1.0)
+    bad[0, 5] = float("nan")
+    set_kv.indexer_store(bad.bfloat16(), cache, torch.tensor([37]), PAGE, pow2_scale=True)
+    q, w, loc, valid = queries(g, 2, 8, 9, w_dtype=w_dtype)
+    loc[:, :3] = 37
+    valid[0, :3] = False         # query 0: the poisoned slot at invalid rows
+    valid[1, :3] = True          # query 1: the same slot at valid rows
+    for out in both_backends(flag_env, "fnuz", q, w, cache, loc, valid, PAGE):
+        assert bool(torch.isneginf(out[0, :3]).all())
+        assert bool(torch.isnan(out[1, :3]).all())
+        assert bool(torch.isfinite(out[valid & (loc != 37)]).all())
+
+
+def test_locations_past_4gib(flag_env):
+    """Keys stored past 2^32 bytes of a cache that costs no memory (an anonymous mmap: only the
+    pages written are backed) read back through int64 offsets."""
+    flag_env(DSV4_FP8_DIALECT="ocp")
+    page_bytes = L.indexer_page_bytes(PAGE)
+    pages = 2 ** 32 // page_bytes + 4
+    try:
+        buf = mmap.mmap(-1, pages * page_bytes)
+    except (OSError, ValueError, OverflowError) as e:
+        pytest.skip(f"cannot map {pages * page_bytes} bytes of virtual memory: {e}")
+    cache = torch.frombuffer(buf, dtype=torch.uint8).view(pages, page_bytes)
+    far = torch.tensor([2 ** 31 // page_bytes * PAGE + 3, (pages - 1) * PAGE + PAGE - 1, 5])
+    g = gen(13)
+    set_kv.indexer_store(torch.randn(3, L.INDEX_DIM, generator=g).bfloat16(), cache, far, PAGE,
+                         pow2_scale=True)
+    q, w, _, _ = queries(g, 1, 8, 3, w_dtype=torch.float32)
+    loc, valid = far[None], torch.ones(1, 3, dtype=torch.bool)
+    want, got = both_backends(flag_env, "ocp", q, w, cache, loc, valid, PAGE)
+    assert bool((want != 0).all())
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    del cache
+    buf.close()
+
+
+def test_reference_follows_the_formula_in_each_dtype():
+    """indexer_scores_ref (what the model's Indexer.scores runs) against the formula written
+    head by head: fp32 weights keep fp32 (to fp32 rounding of a float64 oracle); bf16 weights
+    round q.k, the relu'd product with the weight, and the head sum (accumulated in fp32) to
+    bf16 (to one bf16 ulp: the accumulation order may differ)."""
+    from dsv4.layers.indexer import Indexer
+
+    g = gen(17)
+    for q_dtype in (torch.float32, torch.bfloat16):
+        q = torch.randn(3, 8, L.INDEX_DIM, generator=g).to(q_dtype)
+        keys = torch.randn(3, 50, L.INDEX_DIM, generator=g)
+        w = torch.randn(3, 8, generator=g)
+        exact = sum((q[:, h].double().unsqueeze(1) * keys.double()).sum(-1).relu()
+                    * w[:, h, None].double() for h in range(8))
+        got = S.indexer_scores_ref(q, w, keys)
+        assert got.dtype == torch.float32 and torch.equal(got, Indexer.scores(q, w, keys))
+        torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-5)
+
+        wb = w.bfloat16()
+        terms = torch.stack([
+            ((q[:, h].bfloat16().float().unsqueeze(1) * keys.bfloat16().float()).sum(-1)
+             .bfloat16().relu() * wb[:, h, None]) for h in range(8)], 1)   # bf16 per head
+        want = terms.float().sum(1).bfloat16()
+        got = S.indexer_scores_ref(q, wb, keys)
+        assert got.dtype == torch.bfloat16
+        ulp = (want.float().abs() * 2 ** -7).clamp_min(2 ** -126)
+        assert bool(((got.float() - want.float()).abs() <= ulp).all())
+
+
+@pytest.mark.parametrize("checks", ["0", "1"])
+def test_one_dispatcher_op_per_call(flag_env, checks):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Names(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(f"{func.namespace}::{func.overloadpacket.__name__}")
+            return func(*args, **(kwargs or {}))
+
+    flag_env(DSV4_KERNEL_VALUE_CHECKS=checks)
+    g = gen(19)
+    cache = filled_cache(g)
+    args = (*queries(g, 2, 8, 5)[:2], cache, *queries(g, 2, 8, 5)[2:], PAGE)
+    with Names():
+        S.indexer_scores(*args)
+    assert seen.count("dsv4::indexer_scores") == 1
+    aten = [s for s in seen if s.startswith("aten::")]
+    assert not aten if checks == "0" else len(aten) < 6   # the location range check
+
+
+def test_a_valid_location_outside_the_cache(flag_env):
+    g = gen(23)
+    cache = filled_cache(g)
+    q, w, loc, valid = queries(g, 1, 8, 4)
+    loc[0, 1], valid[0, 1] = SLOTS, True
+    with pytest.raises(IndexError, match=f"location {SLOTS} at a valid row"):
+        S.indexer_scores(q, w, cache, loc, valid, PAGE)
+    flag_env(DSV4_KERNEL_VALUE_CHECKS="0", DSV4_KERNEL_BACKEND="triton")
+    out = S.indexer_scores(q, w, cache, loc, valid, PAGE)      # reads nothing past the cache
+    assert bool(out[0, 1].isnan())
+
+
+def test_the_backend_follows_the_flag(flag_env, monkeypatch):
+    cpu = torch.device("cpu")
+    assert S.backend_for(cpu) == "torch"                        # auto: the reference on a CPU
+    flag_env(DSV4_KERNEL_BACKEND="hip")
+    assert S.backend_for(cpu) == "triton"                       # no HIP version
+    flag_env(DSV4_KERNEL_BACKEND="triton")
+    assert S.backend_for(cpu) == "triton"                       # TRITON_INTERPRET=1 here
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(BackendUnavailable, match="TRITON_INTERPRET=1"):
+        S.backend_for(cpu)
+
+
+CACHE = torch.zeros(2, L.indexer_page_bytes(PAGE), dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(q=torch.zeros(2, 8, 64)), r"q must be float32 or bfloat16 \[\*, \*, 128\]"),
+    (dict(q=torch.zeros(2, 8, 128, dtype=torch.float16)), "q must be float32 or bfloat16"),
+    (dict(weights=torch.zeros(2, 4)), r"weights must be float32 or bfloat16 \[2, 8\]"),
+    (dict(weights=torch.zeros(2, 8, dtype=torch.float16)), "weights must be"),
+    (dict(cache=torch.zeros(2, 100, dtype=torch.uint8)), r"cache must be uint8 \[\*, 2112\]"),
+    (dict(cache=CACHE.float()), "cache must be uint8"),
+    (dict(cache=torch.zeros(2112, 2, dtype=torch.uint8).t()), "cache must be contiguous"),
+    (dict(loc=torch.zeros(3, 5, dtype=torch.int64)), r"loc must be int64 or int32 \[2, \*\]"),
+    (dict(loc=torch.zeros(2, 5)), "loc must be int64 or int32"),
+    (dict(valid=torch.ones(2, 5, dtype=torch.uint8)), r"valid must be bool \[2, 5\]"),
+    (dict(valid=torch.ones(2, 4, dtype=torch.bool)), r"valid must be bool \[2, 5\]"),
+    (dict(page_size=0), "page_size must be an int >= 1"),
+    (dict(q="q"), "q must be a float32 or bfloat16 tensor"),
+])
+def test_bad_arguments_are_named(bad, match):
+    args = dict(q=torch.zeros(2, 8, 128), weights=torch.zeros(2, 8), cache=CACHE,
+                loc=torch.zeros(2, 5, dtype=torch.int64), valid=torch.ones(2, 5, dtype=torch.bool),
+                page_size=PAGE) | bad
+    with pytest.raises(ValueError, match=match):
+        S.indexer_scores(**args)
+
+
+def test_the_meta_implementation_gives_the_shape_and_dtype():
+    meta = dict(device="meta")
+    out = torch.ops.dsv4.indexer_scores(
+        torch.empty(3, 8, 128, **meta), torch.empty(3, 8, dtype=torch.bfloat16, **meta),
+        torch.empty(2, L.indexer_page_bytes(PAGE), dtype=torch.uint8, **meta),
+        torch.empty(3, 11, dtype=torch.int64, **meta), torch.empty(3, 11, dtype=torch.bool, **meta),
+        PAGE, "triton", "ocp")
+    assert out.shape == (3, 11) and out.dtype == torch.bfloat16
