@@ -7,9 +7,10 @@ for each case it warms up (a short generate: lazy initialisation, graph capture)
 removed (all defaults), then set their configuration's flags.
 
 Configurations: "default" (no flag set), then one flag flipped at a time (DSV4_GRAPH=0,
-DSV4_CACHE_SWA_TRANSLATION=0, DSV4_MULTI_STREAM_PREPARE=1), the cache and multi-stream flips
-and DSV4_NUMERICS=fp32 in eager mode, and on a GPU each DSV4_KERNEL_BACKEND (torch, triton,
-hip; on a CPU only the torch path runs, so those are skipped). --quick runs the first four.
+DSV4_CACHE_SWA_TRANSLATION=0, DSV4_MULTI_STREAM_PREPARE=1, DSV4_FUSED_SWA_TRANSLATE=1), the
+cache, multi-stream and fused-translation flips and DSV4_NUMERICS=fp32 in eager mode, and on a
+GPU each DSV4_KERNEL_BACKEND (torch, triton, hip; on a CPU only the torch path runs, so those are
+skipped). --quick runs the first four.
 
 Model: on a CPU the tiny preset (all its layers); on a GPU the flash preset cut to --layers
 layers (default 4; Flash/Pro-shaped layers, seeded random weights), optionally with fewer routed
@@ -60,9 +61,9 @@ import torch
 import bench_common as bc
 
 FLAG_FLIPS = (("DSV4_GRAPH", "0"), ("DSV4_CACHE_SWA_TRANSLATION", "0"),
-              ("DSV4_MULTI_STREAM_PREPARE", "1"))
+              ("DSV4_MULTI_STREAM_PREPARE", "1"), ("DSV4_FUSED_SWA_TRANSLATE", "1"))
 EAGER_FLIPS = (("DSV4_CACHE_SWA_TRANSLATION", "0"), ("DSV4_MULTI_STREAM_PREPARE", "1"),
-               ("DSV4_NUMERICS", "fp32"))
+               ("DSV4_NUMERICS", "fp32"), ("DSV4_FUSED_SWA_TRANSLATE", "1"))
 KERNEL_BACKENDS = ("torch", "triton", "hip")
 RESULT, MODEL = "RESULT ", "MODEL "
 
