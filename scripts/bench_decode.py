@@ -61,7 +61,8 @@ import torch
 import bench_common as bc
 
 FLAG_FLIPS = (("DSV4_GRAPH", "0"), ("DSV4_CACHE_SWA_TRANSLATION", "0"),
-              ("DSV4_MULTI_STREAM_PREPARE", "1"), ("DSV4_FUSED_SWA_TRANSLATE", "1"))
+              ("DSV4_MULTI_STREAM_PREPARE", "1"))
+FULL_FLIPS = (("DSV4_FUSED_SWA_TRANSLATE", "1"),)          # beyond --quick
 EAGER_FLIPS = (("DSV4_CACHE_SWA_TRANSLATION", "0"), ("DSV4_MULTI_STREAM_PREPARE", "1"),
                ("DSV4_NUMERICS", "fp32"), ("DSV4_FUSED_SWA_TRANSLATE", "1"))
 KERNEL_BACKENDS = ("torch", "triton", "hip")
@@ -75,6 +76,7 @@ def config_name(env: dict[str, str]) -> str:
 def flag_configs(quick: bool, gpu: bool) -> list[dict]:
     envs = [{}] + [{k: v} for k, v in FLAG_FLIPS]
     if not quick:
+        envs += [{k: v} for k, v in FULL_FLIPS]
         envs += [{"DSV4_GRAPH": "0", k: v} for k, v in EAGER_FLIPS]
         if gpu:
             envs += [{"DSV4_KERNEL_BACKEND": b} for b in KERNEL_BACKENDS]
