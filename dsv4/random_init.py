@@ -44,7 +44,7 @@ def init_random_weights(model: nn.Module, seed: int = 0) -> nn.Module:
             _normal_(p, g, 0.5)
             if p.numel() == (2 + hc) * hc:
                 with torch.no_grad():  # lean comb towards the identity (a residual stream)
-                    p[2 * hc:] += 2.0 * torch.eye(hc).flatten().to(p.dtype)
+                    p[2 * hc:] += 2.0 * torch.eye(hc, device=p.device).flatten().to(p.dtype)
         elif name == "embed.weight":
             _normal_(p, g, 1.0)
         elif p.dim() == 2:

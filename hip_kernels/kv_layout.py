@@ -292,7 +292,8 @@ def quantize_indexer_rows(k: torch.Tensor, dialect: Fp8Dialect | None = None,
     scale = torch.where(poisoned, torch.ones_like(scale), scale)
     q = (kf / scale.unsqueeze(-1)).clamp(-d.max, d.max).to(d.torch_dtype).view(torch.uint8)
     q = torch.where(poisoned.unsqueeze(-1), d.nan_byte, q).view(d.torch_dtype)
-    nan = torch.tensor(FP32_NAN, dtype=torch.int32, device=k.device).view(torch.float32)
+    # a fill, not a copy from the host: graph capture on a GPU forbids pageable copies
+    nan = torch.full_like(scale, FP32_NAN, dtype=torch.int32).view(torch.float32)
     return q, torch.where(poisoned, nan, scale)
 
 
