@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from hip_kernels import kv_layout, numerics, set_kv
+from hip_kernels.decode_attention import sparse_decode_attention
 from hip_kernels.indexer_scores import indexer_scores
 
 from . import streams
@@ -99,25 +100,36 @@ def read_kv_shared(cache: torch.Tensor, loc: torch.Tensor, page_size: int) -> to
 def attend(attn: Attention, q: torch.Tensor, qr: torch.Tensor, x: torch.Tensor,
            freqs: torch.Tensor, meta: AttentionMetadata, caches, decode: bool) -> torch.Tensor:
     """Attention output [N, dim] of queries q [N, H, 512] (normed, rotated); caches is the
-    layer's ``LayerCaches``."""
+    layer's ``LayerCaches``. Decode: one op reading the FP8 rows in place
+    (``hip_kernels.sparse_decode_attention``, a Triton kernel on a GPU). Extend: each distinct
+    row is dequantized once for all the queries of a chunk, then the same math."""
     n = q.shape[0]
     chunk = n if decode or n <= EXTEND_CHUNK else EXTEND_CHUNK
-    read = kv_layout.read_kv_rows if decode else read_kv_shared
     outs = []
     for start in range(0, n, chunk):
         rows = slice(start, min(n, start + chunk))
-        kv = [read(caches.swa, meta.window_loc[rows], caches.swa_page_size)]
-        valid = [meta.window_valid[rows]]
+        window = (meta.window_loc[rows], meta.window_valid[rows])
+        comp = None
         if attn.ratio:
             plan = meta.plans[attn.ratio]
             if attn.indexer is not None:
-                loc, ok = select_rows(attn.indexer, qr[rows], x[rows], freqs[rows], plan, rows,
-                                      caches.index, caches.index_page_size)
+                comp = select_rows(attn.indexer, qr[rows], x[rows], freqs[rows], plan, rows,
+                                   caches.index, caches.index_page_size)
             else:
-                loc, ok = plan.row_loc[rows], plan.row_valid[rows]
-            kv.append(read(caches.compressed, loc, caches.compressed_page_size))
-            valid.append(ok)
-        o = attn.sparse_attention(q[rows], kv, valid)
+                comp = plan.row_loc[rows], plan.row_valid[rows]
+        if decode:
+            o = sparse_decode_attention(
+                q[rows], caches.swa, *window, caches.swa_page_size,
+                caches.compressed if comp else None, *(comp or (None, None)),
+                caches.compressed_page_size, attn.attn_sink, attn.softmax_scale,
+                numerics.is_reference())
+        else:
+            kv = [read_kv_shared(caches.swa, window[0], caches.swa_page_size)]
+            valid = [window[1]]
+            if comp:
+                kv.append(read_kv_shared(caches.compressed, comp[0], caches.compressed_page_size))
+                valid.append(comp[1])
+            o = attn.sparse_attention(q[rows], kv, valid)
         outs.append(attn.project_out(o, freqs[rows]))
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 

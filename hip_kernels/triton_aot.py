@@ -82,6 +82,7 @@ def _variants(dialect):
             {"loc_stride": 1, "PAGE_SIZE": 64, **fp8, "POW2_SCALE": True}),
         "hc_split": _hc_split_variant(),
         **_indexer_scores_variants(dialect),
+        **_decode_attention_variants(dialect),
     }
 
 
@@ -113,6 +114,30 @@ def _indexer_scores_variants(dialect):
 
     return {"indexer_scores (bf16, reference)": variant(True),
             "indexer_scores (fp32)": variant(False)}
+
+
+def _decode_attention_variants(dialect):
+    """The sparse decode attention as the model runs it on a GPU (bf16 q, bf16 dots; SWA pages
+    of 256, C4 pages of 64), in both numerics."""
+    from . import decode_attention_triton as A
+    from .triton_kv_row import fp8_type
+
+    sig = {"q_ptr": "*bf16", "q_stride_n": "i32:D", "q_stride_h": "i32:D", "out_ptr": "*bf16",
+           "o_stride_n": "i32:D", "o_stride_h": "i32:D", "sink_ptr": "*fp32", "scale": "fp32",
+           "n_heads": "i32", "swa_ptr": "*u8", "wloc_ptr": "*i32", "wloc_stride": "i32",
+           "wvalid_ptr": "*i1", "wvalid_stride": "i32", "n_window": "i32", "swa_slots": "i64",
+           "cmp_ptr": "*u8", "cloc_ptr": "*i64", "cloc_stride": "i32", "cvalid_ptr": "*i1",
+           "cvalid_stride": "i32", "n_comp": "i32", "cmp_slots": "i64"}
+
+    def variant(reference):
+        cex = {"SWA_PAGE": 256, "SWA_PAGE_BYTES": L.page_bytes(256), "CMP_PAGE": 64,
+               "CMP_PAGE_BYTES": L.page_bytes(64), "FP8": fp8_type(dialect),
+               "REFERENCE": reference, "BLOCK_H": A.BLOCK_H, "BLOCK_R": A.BLOCK_R,
+               "DOT_BF16": True}
+        return A.sparse_decode_attention_kernel, sig, cex, A.LAUNCH_OPTIONS
+
+    return {"sparse_decode_attention (reference)": variant(True),
+            "sparse_decode_attention (fp32)": variant(False)}
 
 
 def compile_for(kernel, signature, constexprs, arch, options=None):

@@ -15,21 +15,17 @@ is the caller's business:
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
 from hip_kernels import numerics
+from hip_kernels.decode_attention import sparse_attention_rows
 
 from .compressor import Compressor
 from .indexer import Indexer
 from .linear import Linear
 from .norm import RMSNorm, rms_norm
 from .rope import rope_tail
-
-
-ATTN_BLOCK = 64   # rows per block of the reference's sparse attention kernel
 
 
 class Attention(nn.Module):
@@ -80,59 +76,11 @@ class Attention(nn.Module):
                          valid: list[torch.Tensor]) -> torch.Tensor:
         """q [N, H, 512]; kv: segments of dequantized rows [N, K_i, 512] with valid [N, K_i]
         (window, compressed) -> o [N, H, 512] in q's dtype, one softmax over all segments:
-        p_j = exp(s_j - m) / (sum_k exp(s_k - m) + exp(sink_h - m))."""
-        if numerics.is_reference():
-            return self._sparse_attention_blocks(q, kv, valid)
-        qf = q.float()
-        scores = [torch.einsum("nhd,nkd->nhk", qf, rows.float()).mul_(self.softmax_scale)
-                  .masked_fill_(~ok.unsqueeze(1), float("-inf")) for rows, ok in zip(kv, valid)]
-        sink = self.attn_sink.float().view(1, -1, 1).expand(q.shape[0], -1, 1)
-        p = torch.cat(scores + [sink], -1).softmax(-1)
-        o = None
-        start = 0
-        for rows in kv:
-            part = torch.einsum("nhk,nkd->nhd", p[..., start:start + rows.shape[1]], rows.float())
-            o = part if o is None else o + part
-            start += rows.shape[1]
-        return o.to(q.dtype)
-
-    def _sparse_attention_blocks(self, q, kv, valid):
-        """The same softmax as the reference's sparse attention kernel computes it: the rows in
-        its order (window rows valid first, oldest first, then the compressed rows), walked in
-        blocks of ``ATTN_BLOCK`` with an online softmax whose running max leaves the sink out;
-        the probabilities are rounded to bf16 for the P.V product (the denominator keeps fp32);
-        the sink joins the denominator after the last block; one rounding of the output.
-
-        Only the two running sums are sequential over blocks: the scores, each block's max
-        (the running max is their cumulative max), the probabilities and every block's P.V
-        product are computed for all blocks at once, giving the same values as block by block."""
-        window, window_ok = kv[0], valid[0]
-        order = torch.argsort((~window_ok).to(torch.int8), dim=1, stable=True)
-        window = window.gather(1, order.unsqueeze(-1).expand(-1, -1, window.shape[-1]))
-        rows = torch.cat([window, *kv[1:]], 1)
-        ok = torch.cat([window_ok.gather(1, order), *valid[1:]], 1)
-        pad = -rows.shape[1] % ATTN_BLOCK
-        if pad:   # the kernel's last block is whole: padding rows keep its sums' shape
-            rows = torch.nn.functional.pad(rows, (0, 0, 0, pad))
-            ok = torch.nn.functional.pad(ok, (0, pad), value=False)
-        rows = rows.float().masked_fill(~ok.unsqueeze(-1), 0.0)
-        n, h, d = q.shape
-        blocks = rows.shape[1] // ATTN_BLOCK
-        s = torch.bmm(q.float(), rows.transpose(1, 2)).masked_fill(~ok.unsqueeze(1), -math.inf)
-        s = (s * self.softmax_scale).view(n, h, blocks, ATTN_BLOCK)
-        m = torch.cummax(s.amax(-1), dim=-1).values                    # [n, h, blocks]
-        alpha = torch.exp(torch.nn.functional.pad(m, (1, -1), value=-math.inf) - m)
-        p = torch.exp(s - m.unsqueeze(-1))
-        p_sum = p.sum(-1)
-        pv = torch.einsum("nhbk,nbkd->nhbd", p.to(torch.bfloat16).float(),
-                          rows.view(n, blocks, ATTN_BLOCK, d))
-        acc = q.new_zeros(n, h, d, dtype=torch.float32)
-        denom = q.new_zeros(n, h, dtype=torch.float32)
-        for b in range(blocks):
-            denom = denom * alpha[..., b] + p_sum[..., b]
-            acc = acc * alpha[..., b, None] + pv[:, :, b]
-        denom = denom + torch.exp(self.attn_sink.float().view(1, -1) - m[..., -1])
-        return (acc / denom.unsqueeze(-1)).to(q.dtype)
+        p_j = exp(s_j - m) / (sum_k exp(s_k - m) + exp(sink_h - m)), in the numerics mode's
+        rounding (``hip_kernels.decode_attention``; over the paged caches the model calls its
+        op, which reads the FP8 rows in place)."""
+        return sparse_attention_rows(q, kv, valid, self.attn_sink, self.softmax_scale,
+                                     numerics.is_reference())
 
     def project_out(self, o: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
         """[N, H, 512] -> [N, dim]: inverse RoPE, grouped wo_a, wo_b."""

@@ -198,8 +198,24 @@ def instrument_ours(model, rec: Recorder):
         return o
     Attention.sparse_attention = sparse_w
 
-    project_q, head_weights, scores, select = (Indexer.project_q, Indexer.head_weights,
-                                               Indexer.scores, Indexer.select)
+    decode_op = dm.sparse_decode_attention
+
+    def decode_w(q, swa, wloc, wok, swa_page, cmp, cloc, cok, cmp_page, *rest):
+        """Decode attention reads the caches in place: record the rows it reads."""
+        o = decode_op(q, swa, wloc, wok, swa_page, cmp, cloc, cok, cmp_page, *rest)
+        from hip_kernels import kv_layout
+        rec.put("q", q[0])
+        rec.put("win.rows", kv_layout.read_kv_rows(swa, wloc[0][wok[0]], swa_page))
+        if cmp is not None:
+            rec.put("cmp.rows", kv_layout.read_kv_rows(cmp, cloc[0][cok[0]], cmp_page))
+        else:
+            rec.put("cmp.rows", q.new_zeros(0, q.shape[-1], dtype=torch.float32))
+        rec.put("attn.o", o[0])
+        return o
+    dm.sparse_decode_attention = decode_w
+
+    project_q, head_weights, select = Indexer.project_q, Indexer.head_weights, Indexer.select
+    scores = dm.indexer_scores
 
     def project_q_w(self, qr, freqs):
         q = project_q(self, qr, freqs)
@@ -211,10 +227,12 @@ def instrument_ours(model, rec: Recorder):
         rec.put("idx.w", w[0])
         return w
 
-    def scores_w(q, w, keys):
-        s = scores(q, w, keys)
+    def scores_w(q, w, cache, loc, visible, page_size):
+        """The scores op reads the key cache in place: record the keys it reads."""
+        from hip_kernels import kv_layout
+        s = scores(q, w, cache, loc, visible, page_size)
         rec.put("idx.scores_all", s[0])
-        rec.put("idx.keys_all", keys[0])
+        rec.put("idx.keys_all", kv_layout.read_indexer_rows(cache, loc[0], page_size))
         return s
 
     def select_w(self, s, visible):
@@ -231,7 +249,7 @@ def instrument_ours(model, rec: Recorder):
         rec.put("idx.topk_set", t.sort().values)
         return pick
     Indexer.project_q, Indexer.head_weights = project_q_w, head_weights_w
-    Indexer.scores, Indexer.select = staticmethod(scores_w), select_w
+    dm.indexer_scores, Indexer.select = scores_w, select_w
 
 
 def run_ours(args, tokens):

@@ -1,0 +1,192 @@
+"""DeepSeek-V4's sparse attention over the paged FP8 KV caches, as one dispatcher op
+(`torch.ops.dsv4.sparse_decode_attention`).
+
+Each query row n attends one softmax over two segments of KV rows (K = V, 512 wide): its
+sliding window (SWA cache slots ``window_loc[n]``) and the compressed rows the indexer or the
+compress plan picked (``comp_loc[n]`` in the compressed cache), with a per-head sink logit in the
+denominator only:
+
+    p_j = exp(s_j - m) / (sum_k exp(s_k - m) + exp(sink_h - m)),   s_j = scale * q . row_j
+
+Two numerics (``reference``):
+
+- fp32: one softmax over every row and the sink, fp32 probabilities in P.V.
+- reference (DeepSeek-V4's reference kernel): the rows in its order (window rows valid first,
+  each segment in its own order, then the compressed rows), walked in blocks of 64 rows with an
+  online softmax whose running max leaves the sink out; the probabilities are rounded to bf16
+  for P.V (the denominator sums them unrounded, in fp32); the sink joins the denominator after
+  the last block; one rounding of the output.
+
+`sparse_attention_rows` is the math on already dequantized rows (the torch reference, also
+used by the model's extend path). The op's torch backend dequantizes the rows
+(`kv_layout.read_kv_rows`) and runs it; its Triton backend (`decode_attention_triton`) reads
+the FP8 cache bytes in place. They agree to fp32 rounding (summation order), see the tests.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import kv_layout, set_kv_ops  # noqa: F401  (set_kv_ops defines the library first)
+from .backend import resolve
+from .platform import DIALECTS, fp8_dialect
+
+LIBRARY = "dsv4"
+OP = "sparse_decode_attention"
+ATTN_BLOCK = 64   # rows per block of the reference's sparse attention kernel
+
+
+def sparse_attention_rows(q: torch.Tensor, kv: list[torch.Tensor], valid: list[torch.Tensor],
+                          sink: torch.Tensor, scale: float, reference: bool) -> torch.Tensor:
+    """q [N, H, 512]; kv: segments of dequantized rows [N, K_i, 512] with valid [N, K_i]
+    (window, compressed); sink [H] -> o [N, H, 512] in q's dtype."""
+    if reference:
+        return _blocks(q, kv, valid, sink, scale)
+    qf = q.float()
+    scores = [torch.einsum("nhd,nkd->nhk", qf, rows.float()).mul_(scale)
+              .masked_fill_(~ok.unsqueeze(1), float("-inf")) for rows, ok in zip(kv, valid)]
+    sink_col = sink.float().view(1, -1, 1).expand(q.shape[0], -1, 1)
+    p = torch.cat(scores + [sink_col], -1).softmax(-1)
+    o = None
+    start = 0
+    for rows, ok in zip(kv, valid):   # an invalid row adds 0, even a poisoned (NaN) one
+        rows = rows.float().masked_fill(~ok.unsqueeze(-1), 0.0)
+        part = torch.einsum("nhk,nkd->nhd", p[..., start:start + rows.shape[1]], rows)
+        o = part if o is None else o + part
+        start += rows.shape[1]
+    return o.to(q.dtype)
+
+
+def reference_order(loc: torch.Tensor, ok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A segment's (loc, valid) with its valid rows first, each group in its own order."""
+    order = torch.argsort((~ok).to(torch.int8), dim=1, stable=True)
+    return loc.gather(1, order), ok.gather(1, order)
+
+
+def _blocks(q, kv, valid, sink, scale):
+    """The reference kernel's softmax. Only the two running sums are sequential over blocks:
+    the scores, each block's max (the running max is their cumulative max), the probabilities
+    and every block's P.V product are computed for all blocks at once, giving the same values
+    as block by block."""
+    window, window_ok = kv[0], valid[0]
+    order = torch.argsort((~window_ok).to(torch.int8), dim=1, stable=True)
+    window = window.gather(1, order.unsqueeze(-1).expand(-1, -1, window.shape[-1]))
+    rows = torch.cat([window, *kv[1:]], 1)
+    ok = torch.cat([window_ok.gather(1, order), *valid[1:]], 1)
+    pad = -rows.shape[1] % ATTN_BLOCK
+    if pad:   # the kernel's last block is whole: padding rows keep its sums' shape
+        rows = torch.nn.functional.pad(rows, (0, 0, 0, pad))
+        ok = torch.nn.functional.pad(ok, (0, pad), value=False)
+    rows = rows.float().masked_fill(~ok.unsqueeze(-1), 0.0)
+    n, h, d = q.shape
+    blocks = rows.shape[1] // ATTN_BLOCK
+    s = torch.bmm(q.float(), rows.transpose(1, 2)).masked_fill(~ok.unsqueeze(1), -math.inf)
+    s = (s * scale).view(n, h, blocks, ATTN_BLOCK)
+    m = torch.cummax(s.amax(-1), dim=-1).values                    # [n, h, blocks]
+    alpha = torch.exp(torch.nn.functional.pad(m, (1, -1), value=-math.inf) - m)
+    p = torch.exp(s - m.unsqueeze(-1))
+    p_sum = p.sum(-1)
+    pv = torch.einsum("nhbk,nbkd->nhbd", p.to(torch.bfloat16).float(),
+                      rows.view(n, blocks, ATTN_BLOCK, d))
+    acc = q.new_zeros(n, h, d, dtype=torch.float32)
+    denom = q.new_zeros(n, h, dtype=torch.float32)
+    for b in range(blocks):
+        denom = denom * alpha[..., b] + p_sum[..., b]
+        acc = acc * alpha[..., b, None] + pv[:, :, b]
+    denom = denom + torch.exp(sink.float().view(1, -1) - m[..., -1])
+    return (acc / denom.unsqueeze(-1)).to(q.dtype)
+
+
+def _impl(q, swa_cache, window_loc, window_valid, swa_page_size, comp_cache, comp_loc,
+          comp_valid, comp_page_size, sink, scale, reference, backend, dialect):
+    d = DIALECTS[dialect]
+    if backend == "triton":
+        from .decode_attention_triton import sparse_decode_attention_triton
+        return sparse_decode_attention_triton(q, swa_cache, window_loc, window_valid,
+                                              swa_page_size, comp_cache, comp_loc, comp_valid,
+                                              comp_page_size, sink, scale, reference, d)
+    def rows(cache, loc, ok, page_size):   # an invalid row reads slot 0, whatever its loc
+        return kv_layout.read_kv_rows(cache, loc.masked_fill(~ok, 0), page_size, d)
+
+    kv = [rows(swa_cache, window_loc, window_valid, swa_page_size)]
+    valid = [window_valid]
+    if comp_cache is not None:
+        kv.append(rows(comp_cache, comp_loc, comp_valid, comp_page_size))
+        valid.append(comp_valid)
+    return sparse_attention_rows(q, kv, valid, sink, scale, reference)
+
+
+def _fake(q, *args):
+    return torch.empty_like(q)
+
+
+def _register() -> torch.library.Library:
+    lib = torch.library.Library(LIBRARY, "FRAGMENT")
+    lib.define(f"{OP}(Tensor q, Tensor swa_cache, Tensor window_loc, Tensor window_valid, "
+               "int swa_page_size, Tensor? comp_cache, Tensor? comp_loc, Tensor? comp_valid, "
+               "int comp_page_size, Tensor sink, float scale, bool reference, str backend, "
+               "str dialect) -> Tensor")
+    lib.impl(OP, _impl, "CompositeExplicitAutograd")
+    lib.impl(OP, _fake, "Meta")
+    return lib
+
+
+_LIB = _register()
+
+
+def _check(name: str, t, dtypes, shape, device) -> None:
+    """ValueError naming the argument unless t is a tensor of one of dtypes with shape (None:
+    any size) on device."""
+    want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+    kinds = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a {kinds} tensor {want}, got {type(t).__name__}")
+    if t.dtype not in dtypes or t.dim() != len(shape) or any(
+            s is not None and s != ts for s, ts in zip(shape, t.shape)):
+        raise ValueError(f"{name} must be {kinds} {want}, got {t.dtype} {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device} (as q), got {t.device}")
+
+
+def _check_cache(prefix: str, cache, page_size, device) -> None:
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"{prefix}page_size must be an int >= 1, got {page_size!r}")
+    _check(f"{prefix}cache", cache, (torch.uint8,), (None, kv_layout.page_bytes(page_size)),
+           device)
+    if not cache.is_contiguous():
+        raise ValueError(f"{prefix}cache must be contiguous")
+
+
+def sparse_decode_attention(q: torch.Tensor, swa_cache: torch.Tensor, window_loc: torch.Tensor,
+                            window_valid: torch.Tensor, swa_page_size: int,
+                            comp_cache: torch.Tensor | None, comp_loc: torch.Tensor | None,
+                            comp_valid: torch.Tensor | None, comp_page_size: int,
+                            sink: torch.Tensor, scale: float, reference: bool) -> torch.Tensor:
+    """o [N, H, 512] in q's dtype: q [N, H, 512] (bf16) attending its window rows (SWA cache
+    slots window_loc [N, W], valid [N, W]) and compressed rows (comp_loc [N, K] of comp_cache,
+    valid [N, K]; comp_cache None: no compressed segment), sink [H] fp32. Invalid rows are
+    never read (their loc is 0 by convention); every query must have a valid row (its own
+    window slot does)."""
+    dev = q.device
+    _check("q", q, (torch.bfloat16, torch.float32), (None, None, kv_layout.HEAD_DIM), dev)
+    n, h = q.shape[:2]
+    _check_cache("swa_", swa_cache, swa_page_size, dev)
+    _check("window_loc", window_loc, (torch.int32, torch.int64), (n, None), dev)
+    _check("window_valid", window_valid, (torch.bool,), tuple(window_loc.shape), dev)
+    if comp_cache is not None:
+        _check_cache("comp_", comp_cache, comp_page_size, dev)
+        _check("comp_loc", comp_loc, (torch.int32, torch.int64), (n, None), dev)
+        _check("comp_valid", comp_valid, (torch.bool,), tuple(comp_loc.shape), dev)
+    elif comp_loc is not None or comp_valid is not None:
+        raise ValueError("comp_loc and comp_valid need comp_cache (None: no compressed rows)")
+    _check("sink", sink, (torch.float32,), (h,), dev)
+    if isinstance(reference, int) and not isinstance(reference, bool):
+        raise ValueError(f"reference must be a bool, got {reference!r}")
+    return torch.ops.dsv4.sparse_decode_attention(
+        q.contiguous(), swa_cache, window_loc.contiguous(), window_valid.contiguous(),
+        swa_page_size, comp_cache, None if comp_loc is None else comp_loc.contiguous(),
+        None if comp_valid is None else comp_valid.contiguous(),
+        comp_page_size if comp_cache is not None else 1, sink.contiguous(), float(scale),
+        bool(reference), resolve(OP, dev), fp8_dialect().name)

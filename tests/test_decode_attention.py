@@ -1,0 +1,187 @@
+"""The sparse attention over the paged FP8 caches as one dispatcher op: the Triton kernel (on a
+GPU, or interpreted here) against the torch path in both numerics, invalid and poisoned rows,
+one op per call, argument checks, and the torch path against the model's extend-path math.
+
+Caches are written by the real store op (`set_kv.fused_store_cache`). Tolerance: both backends
+compute in fp32 from the same exactly dequantized rows; they differ in the order of the sums
+(q . row over 512 products, the softmax denominator, p . rows) and, in reference numerics, a
+probability rounded to bf16 in one backend can round the other way when its fp32 value differs
+in the last bits. The outputs are bf16, so they are compared to 2 bf16 ulps of the output's
+scale (rtol 2^-7, atol 2^-7 times the largest |o| of the case), and the worst fp32 error is
+printed on failure.
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from hip_kernels import decode_attention as A, kv_layout as L, set_kv  # noqa: E402
+from hip_kernels.platform import default_device  # noqa: E402
+from triton_interp_shim import interpreter_shim  # noqa: E402,F401 (autouse fixture)
+
+DEV = default_device()
+DIALECT = "fnuz" if DEV.type == "cpu" or torch.version.hip else "ocp"
+SWA_PAGE, CMP_PAGE = 16, 4
+
+
+@pytest.fixture(autouse=True)
+def dialect(flag_env):
+    """Every cache of a test is written and read in DIALECT."""
+    flag_env(DSV4_FP8_DIALECT=DIALECT)
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def filled_cache(g, slots, page_size):
+    """A V4 cache with a stored row in every slot (rows of mixed magnitude)."""
+    rows = torch.randn(slots, L.HEAD_DIM, generator=g) * 10 ** (
+        torch.rand(slots, 1, generator=g) - 0.5)
+    cache = torch.zeros(slots // page_size, L.page_bytes(page_size), dtype=torch.uint8)
+    set_kv.fused_store_cache(rows.bfloat16(), cache, torch.arange(slots), page_size)
+    return cache
+
+
+def case(seed, n, heads, window, comp, slots=96):
+    """Arguments of sparse_decode_attention: decode-like windows (an invalid prefix of
+    `window - pos - 1` rows for small positions), compressed rows with some invalid."""
+    g = gen(seed)
+    swa = filled_cache(g, slots, SWA_PAGE)
+    q = (torch.randn(n, heads, L.HEAD_DIM, generator=g) * 2).bfloat16()
+    pos = torch.randint(0, 2 * window, (n,), generator=g)
+    window_valid = (pos[:, None] - torch.arange(window - 1, -1, -1)) >= 0
+    window_loc = torch.where(window_valid, torch.randint(0, slots, (n, window), generator=g), 0)
+    sink = torch.randn(heads, generator=g)
+    args = dict(q=q, swa_cache=swa, window_loc=window_loc, window_valid=window_valid,
+                swa_page_size=SWA_PAGE, comp_cache=None, comp_loc=None, comp_valid=None,
+                comp_page_size=CMP_PAGE, sink=sink, scale=L.HEAD_DIM ** -0.5)
+    if comp is not None:
+        cmp_cache = filled_cache(g, 64, CMP_PAGE)
+        comp_valid = torch.rand(n, comp, generator=g) > 0.25
+        comp_loc = torch.where(comp_valid, torch.randint(0, 64, (n, comp), generator=g), 0)
+        args.update(comp_cache=cmp_cache, comp_loc=comp_loc, comp_valid=comp_valid)
+    return args
+
+
+def on(args, device):
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+
+
+def both_backends(flag_env, args, reference):
+    out = {}
+    for backend in ("torch", "triton"):
+        flag_env(DSV4_KERNEL_BACKEND=backend, DSV4_FP8_DIALECT=DIALECT)
+        out[backend] = A.sparse_decode_attention(**on(args, DEV), reference=reference).cpu()
+    return out["torch"], out["triton"]
+
+
+def assert_close(got, want):
+    scale = want.float().abs().max().item()
+    err = (got.float() - want.float()).abs().max().item()
+    assert torch.allclose(got.float(), want.float(), rtol=2 ** -7, atol=2 ** -7 * scale), (
+        f"max |diff| {err} at output scale {scale}")
+
+
+@pytest.mark.parametrize("reference", [False, True], ids=["fp32", "reference"])
+@pytest.mark.parametrize("n,heads,window,comp", [
+    (1, 4, 8, None), (3, 4, 8, 5), (2, 16, 128, 70), (2, 20, 16, 3)])
+def test_triton_matches_torch(flag_env, reference, n, heads, window, comp):
+    args = case(n * 7 + heads + window, n, heads, window, comp)
+    want, got = both_backends(flag_env, args, reference)
+    assert got.dtype == torch.bfloat16 and got.shape == (n, heads, L.HEAD_DIM)
+    assert bool(torch.isfinite(got).all())
+    assert_close(got, want)
+
+
+def test_the_numerics_modes_differ(flag_env):
+    """The reference rounding is really applied (the modes are not the same computation)."""
+    args = case(5, 2, 16, 128, 70)
+    flag_env(DSV4_KERNEL_BACKEND="triton", DSV4_FP8_DIALECT=DIALECT)
+    ref = A.sparse_decode_attention(**on(args, DEV), reference=True).cpu()
+    f32 = A.sparse_decode_attention(**on(args, DEV), reference=False).cpu()
+    assert not torch.equal(ref, f32)
+
+
+@pytest.mark.parametrize("reference", [False, True], ids=["fp32", "reference"])
+def test_invalid_rows_read_nothing(flag_env, reference):
+    """Poisoned bytes (NaN values, NaN scales) at the slots of invalid rows, and an invalid row
+    pointing past the cache, change nothing in either backend."""
+    args = case(11, 2, 4, 16, 6)
+    clean = both_backends(flag_env, args, reference)
+    bad = dict(args, swa_cache=args["swa_cache"].clone(), comp_cache=args["comp_cache"].clone())
+    for cache, loc, ok, page in ((bad["swa_cache"], args["window_loc"], args["window_valid"],
+                                  SWA_PAGE),
+                                 (bad["comp_cache"], args["comp_loc"], args["comp_valid"],
+                                  CMP_PAGE)):
+        used = set(loc[ok].tolist())
+        spare = [s for s in range(cache.shape[0] * page) if s not in used][0]
+        cache.view(-1)[L.value_offset(torch.tensor([spare]), page)[0]:][:L.VALUE_BYTES] = 0xFF
+        loc[~ok] = spare
+    bad["comp_loc"] = torch.where(args["comp_valid"], args["comp_loc"], 10 ** 6)
+    assert (~args["window_valid"]).any() and (~args["comp_valid"]).any()
+    for got, want in zip(both_backends(flag_env, bad, reference), clean):
+        assert torch.equal(got, want)
+
+
+def test_the_torch_path_is_the_models_math(flag_env):
+    """The op's torch path = read_kv_rows + sparse_attention_rows, what the model's extend path
+    runs on the same rows (Attention.sparse_attention), bit for bit in both modes."""
+    from dsv4.config import ModelConfig
+    from dsv4.layers.attention import Attention
+
+    cfg = ModelConfig.preset("tiny")
+    attn = Attention(cfg, 1)
+    args = case(3, 3, cfg.n_heads, 128, 9)
+    with torch.no_grad():
+        attn.attn_sink.copy_(args["sink"])
+    kv = [L.read_kv_rows(args["swa_cache"], args["window_loc"], SWA_PAGE),
+          L.read_kv_rows(args["comp_cache"], args["comp_loc"], CMP_PAGE)]
+    valid = [args["window_valid"], args["comp_valid"]]
+    for mode in ("fp32", "reference"):
+        flag_env(DSV4_NUMERICS=mode, DSV4_KERNEL_BACKEND="torch")
+        want = attn.sparse_attention(args["q"], kv, valid)
+        got = A.sparse_decode_attention(**dict(args, scale=attn.softmax_scale),
+                                        reference=mode == "reference")
+        assert torch.equal(got, want), mode
+
+
+def test_one_dispatcher_op_per_call(flag_env):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Names(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(f"{func.namespace}::{func.overloadpacket.__name__}")
+            return func(*args, **(kwargs or {}))
+
+    args = case(2, 2, 4, 8, 5)
+    with Names():
+        A.sparse_decode_attention(**args, reference=True)
+    assert seen == ["dsv4::sparse_decode_attention"]
+
+
+def test_the_meta_implementation_gives_the_shape():
+    """(the fake implementation: graph capture and torch.compile see the output's shape)"""
+    args = on(case(2, 2, 4, 8, 5), "meta")
+    out = A.sparse_decode_attention(**args, reference=False)
+    assert out.shape == (2, 4, L.HEAD_DIM) and out.device.type == "meta"
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(q=torch.zeros(2, 4, 500, dtype=torch.bfloat16)), r"q must be .*\[\*, \*, 512\]"),
+    (dict(window_loc=torch.zeros(3, 8, dtype=torch.int64)), r"window_loc must be .*\[2, \*\]"),
+    (dict(window_valid=torch.ones(2, 7, dtype=torch.bool)), r"window_valid must be bool \[2, 8\]"),
+    (dict(sink=torch.zeros(5)), r"sink must be float32 \[4\]"),
+    (dict(swa_page_size=0), "swa_page_size must be an int >= 1"),
+    (dict(swa_cache=torch.zeros(2, 10, dtype=torch.uint8)), r"swa_cache must be uint8"),
+    (dict(comp_cache=None), "comp_loc and comp_valid need comp_cache"),
+    (dict(comp_valid=torch.ones(2, 4, dtype=torch.bool)), r"comp_valid must be bool \[2, 5\]"),
+])
+def test_bad_arguments_are_named(change, match):
+    """(before any kernel runs)"""
+    args = dict(case(2, 2, 4, 8, 5), **change)
+    with pytest.raises(ValueError, match=match):
+        A.sparse_decode_attention(**args, reference=False)
