@@ -157,6 +157,12 @@ def cache_bytes(cache: torch.Tensor) -> torch.Tensor:
     return cache.as_strided((span,), (1,))
 
 
+def exact_div(x: torch.Tensor, divisor: float) -> torch.Tensor:
+    """x / divisor, correctly rounded on every device: torch on a GPU divides a tensor by a
+    Python number as a product with its reciprocal (1 ulp off now and then), by a tensor not."""
+    return x / torch.full_like(x, divisor)
+
+
 def pow2_ceil_exponent(r: torch.Tensor) -> torch.Tensor:
     """ceil(log2(r)) for positive normal fp32 r, exactly, from the bits (no log2 rounding)."""
     bits = r.to(torch.float32).view(torch.int32)
@@ -184,7 +190,7 @@ def quantize_kv_rows(x: torch.Tensor, dialect: Fp8Dialect | None = None,
     poisoned = ~torch.isfinite(tiles).all(dim=-1)
     amax = tiles.abs().amax(dim=-1).clamp_min(numerics.amax_floor)
     amax = torch.where(poisoned, torch.ones_like(amax), amax)
-    exp = pow2_ceil_exponent(amax / fp8_max)
+    exp = pow2_ceil_exponent(exact_div(amax, fp8_max))
     inv_scale = torch.ldexp(torch.ones_like(amax), -exp)
     q = (tiles * inv_scale.unsqueeze(-1)).clamp(-fp8_max, fp8_max).to(d.torch_dtype)
     q = torch.where(poisoned.unsqueeze(-1), d.nan_byte, q.view(torch.uint8))
@@ -285,10 +291,10 @@ def quantize_indexer_rows(k: torch.Tensor, dialect: Fp8Dialect | None = None,
     kf = k.float()
     poisoned = ~torch.isfinite(kf).all(dim=-1)
     if pow2_scale:
-        ratio = kf.abs().amax(dim=-1).clamp_min(INDEX_POW2_AMAX_FLOOR) / d.max
+        ratio = exact_div(kf.abs().amax(dim=-1).clamp_min(INDEX_POW2_AMAX_FLOOR), d.max)
         scale = torch.ldexp(torch.ones_like(ratio), pow2_ceil_exponent(ratio))
     else:
-        scale = kf.abs().amax(dim=-1).clamp_min(AMAX_FLOOR) / d.max
+        scale = exact_div(kf.abs().amax(dim=-1).clamp_min(AMAX_FLOOR), d.max)
     scale = torch.where(poisoned, torch.ones_like(scale), scale)
     q = (kf / scale.unsqueeze(-1)).clamp(-d.max, d.max).to(d.torch_dtype).view(torch.uint8)
     q = torch.where(poisoned.unsqueeze(-1), d.nan_byte, q).view(d.torch_dtype)

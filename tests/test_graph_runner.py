@@ -278,3 +278,15 @@ def test_backend_follows_the_flag(flag_env):
     with pytest.raises(RuntimeError, match="DSV4_GRAPH_BACKEND=cuda needs a ROCm/CUDA GPU"):
         select_backend()
     assert envs.GRAPH_BACKEND.get() == "cuda"
+
+
+def test_auto_follows_the_steps_device(flag_env, monkeypatch):
+    """auto picks by where the step runs: a CPU step takes the emulation even where a GPU
+    exists (a CUDA graph of CPU work is empty and would replay nothing)."""
+    flag_env(DSV4_GRAPH_BACKEND="auto")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert select_backend("cpu") is EMULATE
+    assert select_backend(torch.device("cuda")) is CUDA
+    assert select_backend() is CUDA
+    runner = make_runner(ToyPool("cpu"), backend=None)      # chosen from its static inputs
+    assert runner.backend is EMULATE

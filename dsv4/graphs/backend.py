@@ -1,7 +1,7 @@
 """Which graph implementation captures and replays: DSV4_GRAPH_BACKEND=auto|cuda|emulate.
 
 cuda = `torch.cuda.CUDAGraph` (a HIP graph on ROCm); emulate = the CPU emulation in
-`emulation.py`; auto = cuda where a GPU exists, else emulate.
+`emulation.py`; auto = cuda for a step on a GPU, else emulate.
 """
 
 from __future__ import annotations
@@ -41,10 +41,15 @@ EMULATE = GraphBackend(
 )
 
 
-def select_backend() -> GraphBackend:
+def select_backend(device: torch.device | str | None = None) -> GraphBackend:
+    """The backend for a step whose tensors live on `device` (None: the default device). auto
+    follows the device: a CUDA graph records only GPU work, so a step on the CPU (a CPU model
+    on a machine that also has a GPU) takes the emulation, never an empty CUDA graph."""
     choice = envs.GRAPH_BACKEND.get()
     if choice == "auto":
-        choice = "cuda" if torch.cuda.is_available() else "emulate"
+        on_gpu = (torch.device(device).type == "cuda" if device is not None
+                  else torch.cuda.is_available())
+        choice = "cuda" if on_gpu else "emulate"
     if choice == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"{envs.GRAPH_BACKEND.name}=cuda needs a ROCm/CUDA GPU, but "
                            "torch.cuda.is_available() is False; use auto or emulate")

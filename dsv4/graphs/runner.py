@@ -78,9 +78,10 @@ class GraphRunner:
         self.invalidate_fn = invalidate_fn
         self.graph_flags = tuple(graph_flags)
         self.pad_values = dict(pad_values or {})
-        self.backend = backend or select_backend()
         self.batch_sizes = capture_batch_sizes(max_batch, envs.GRAPH_BATCH_SIZES.get())
         self.static = make_static_inputs(self.max_batch)
+        devices = {buf.device for buf in self.static.values()}
+        self.backend = backend or select_backend(next(iter(devices)) if devices else None)
         for name, buf in self.static.items():
             if buf.shape[0] != self.max_batch:
                 raise ValueError(f"static input {name!r} has {buf.shape[0]} rows, expected "
