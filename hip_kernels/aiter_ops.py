@@ -22,8 +22,12 @@ Ops:
   rows, int32 ids, k <= 2048; it leaves the k winners unordered, so they are sorted here by value,
   descending, as ``torch.topk`` returns them.
 
-Probed but not dispatched (:func:`probe` reports them; ``dsv4/layers/moe.py`` keeps its torch
-path): ``aiter.topk_gating`` (the MoE gate's fused score + biased top-k + renormalisation).
+- :func:`moe_gate` (the MoE gate of a non-hash layer) -> ``aiter.topk_gating(topk_weights,
+  topk_indices, gating_output, correction_bias, need_renorm, routed_scaling_factor,
+  score_func)``: one fused kernel for the score function (sqrt-softplus, DeepSeek-V4's; sigmoid;
+  softmax), the biased top-k, the renormalisation of the chosen scores (not after softmax) and
+  the route scale; fp32 logits, int32 indices. The experts' order within a row may differ from
+  torch's; the MoE sums a token's experts in expert order, so the order does not matter.
 
 The probe runs once per process (on the first call that may use aiter) and logs one line saying
 which ops run on aiter and which take the torch path.
@@ -43,12 +47,14 @@ from . import envs, numerics, platform
 logger = logging.getLogger(__name__)
 
 # The ops dispatched here -> the aiter attribute each one calls.
-DISPATCHED = {"topk_rows": "topk_plain"}
-# aiter ops the MoE could use, probed so callers can see them; nothing here calls them.
-PROBED_ONLY = {"moe_gate": "topk_gating"}
+DISPATCHED = {"topk_rows": "topk_plain", "moe_gate": "topk_gating"}
 # Parameters an aiter op must take for the call made here; older aiter releases had a
 # topk_plain(x, topk_ids, topk, largest) without the values output, which counts as missing.
-REQUIRED_PARAMS = {"topk_plain": ("x", "topk_ids", "topk_out", "topk", "largest")}
+REQUIRED_PARAMS = {"topk_plain": ("x", "topk_ids", "topk_out", "topk", "largest"),
+                   "topk_gating": ("topk_weights", "topk_indices", "gating_output",
+                                   "correction_bias", "need_renorm", "routed_scaling_factor",
+                                   "score_func")}
+SCORE_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
 
 TOPK_MAX_K = 2048  # topk_plain's largest k (its kernels' MAX_CAPACITY)
 TOPK_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -60,8 +66,8 @@ class AiterUnavailableError(RuntimeError):
 
 @dataclass(frozen=True)
 class AiterProbe:
-    """What the installed aiter offers: ``available`` holds the names (keys of DISPATCHED and
-    PROBED_ONLY) whose aiter attribute exists; ``error`` says why aiter did not import."""
+    """What the installed aiter offers: ``available`` holds the names (keys of DISPATCHED)
+    whose aiter attribute exists; ``error`` says why aiter did not import."""
 
     importable: bool
     available: frozenset[str] = frozenset()
@@ -77,11 +83,8 @@ class AiterProbe:
                     + ", ".join(DISPATCHED))
         on = [f"{op} (aiter.{a})" for op, a in DISPATCHED.items() if op in self.available]
         off = [f"{op} (no aiter.{a})" for op, a in DISPATCHED.items() if op not in self.available]
-        probed = [f"{op} (aiter.{a}: {'available' if op in self.available else 'missing'})"
-                  for op, a in PROBED_ONLY.items()]
         return (f"aiter importable; on aiter when DSV4_AITER allows: {', '.join(on) or 'none'}; "
-                f"torch path: {', '.join(off) or 'none'}; probed, not dispatched: "
-                f"{', '.join(probed)}")
+                f"torch path: {', '.join(off) or 'none'}")
 
 
 def _import_aiter():
@@ -112,8 +115,7 @@ def probe() -> AiterProbe:
     except Exception as e:  # aiter's import can fail in many ways (missing ROCm, JIT build)
         result = AiterProbe(False, error=f"{type(e).__name__}: {e}")
     else:
-        names = {**DISPATCHED, **PROBED_ONLY}
-        result = AiterProbe(True, frozenset(op for op, attr in names.items()
+        result = AiterProbe(True, frozenset(op for op, attr in DISPATCHED.items()
                                             if _has_op(mod, attr)))
     logger.info("%s", result.summary())
     return result
@@ -172,3 +174,58 @@ def topk_rows(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
     if use_aiter("topk_rows", scores) and _topk_supported(scores, k):
         return _topk_aiter(scores, k)
     return _topk_torch(scores, k)
+
+
+def gate_scores(logits: torch.Tensor, score_func: str) -> torch.Tensor:
+    """The MoE gate's scores of fp32 logits [N, E]."""
+    if score_func == "softmax":
+        return logits.softmax(-1)
+    if score_func == "sigmoid":
+        return logits.sigmoid()
+    return torch.nn.functional.softplus(logits).sqrt()
+
+
+def gate_weights(scores: torch.Tensor, indices: torch.Tensor, score_func: str,
+                 route_scale: float) -> torch.Tensor:
+    """The chosen experts' weights: their scores, renormalised to sum 1 (not after softmax),
+    times the route scale."""
+    weights = scores.gather(1, indices)
+    if score_func != "softmax":
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights * route_scale
+
+
+def _moe_gate_torch(logits, bias, k, route_scale, score_func):
+    scores = gate_scores(logits, score_func)
+    indices = (scores + bias).topk(k, dim=-1)[1]
+    return gate_weights(scores, indices, score_func, route_scale), indices
+
+
+def _moe_gate_aiter(logits, bias, k, route_scale, score_func):
+    n = logits.shape[0]
+    weights = torch.empty(n, k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(n, k, dtype=torch.int32, device=logits.device)
+    _import_aiter().topk_gating(weights, ids, logits.contiguous(), bias.float().contiguous(),
+                                score_func != "softmax", float(route_scale), score_func)
+    return weights, ids.long()
+
+
+def moe_gate(logits: torch.Tensor, bias: torch.Tensor, k: int, route_scale: float,
+             score_func: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routing of a biased MoE gate: scores = score_func(logits [N, E] fp32), the k experts
+    of largest scores + bias [E], their scores renormalised (not after softmax) times
+    route_scale. (weights fp32 [N, k], expert indices int64 [N, k])."""
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.dtype != torch.float32:
+        raise ValueError(f"logits: expected an fp32 tensor [N, E], got "
+                         f"{getattr(logits, 'dtype', type(logits).__name__)} "
+                         f"{tuple(getattr(logits, 'shape', ()))}")
+    if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (logits.shape[1],):
+        raise ValueError(f"bias: expected a tensor [{logits.shape[1]}] (one per expert), got "
+                         f"{tuple(getattr(bias, 'shape', ()))}")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= logits.shape[1]:
+        raise ValueError(f"k={k!r}: expected an int in [1, {logits.shape[1]}] (the experts)")
+    if score_func not in SCORE_FUNCS:
+        raise ValueError(f"score_func={score_func!r}: expected one of {SCORE_FUNCS}")
+    if logits.shape[0] and use_aiter("moe_gate", logits, bias):
+        return _moe_gate_aiter(logits, bias, k, route_scale, score_func)
+    return _moe_gate_torch(logits, bias, k, route_scale, score_func)

@@ -15,10 +15,10 @@ the denominator after the last block; the launcher puts the valid window rows fi
 (fp32 numerics) the running max starts at the sink and the denominator at 1: the same value as
 one softmax over the rows and the sink.
 
-The dequantized tile is exact in bf16 and q is bf16, so on a GPU the scores are a bf16 dot with
+The dequantized rows are exact in bf16 and q is bf16, so on a GPU the scores are a bf16 dot with
 fp32 accumulation (exact products; DOT_BF16); the interpreter's bf16 dot is not reliable, so
-there the same values go through an IEEE fp32 dot (see `_pv` for P.V). Rows that are not valid load nothing (a
-poisoned row at an invalid slot cannot leak) and get probability 0.
+there the same values go through an IEEE fp32 dot (see `_pv` for P.V). Rows that are not valid
+load nothing (a poisoned row at an invalid slot cannot leak) and get probability 0.
 """
 
 from __future__ import annotations

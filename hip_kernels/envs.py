@@ -24,6 +24,7 @@ NUMERICS = choice_flag(
     "bit-exact with it for the same batch); fp32 = fp32 intermediates, stable across batches", PKG)
 AITER = choice_flag(
     "DSV4_AITER", ("auto", "0", "1"), "auto",
-    "aiter kernels for the ops hip_kernels/aiter_ops.py maps (indexer top-k): auto = only for "
-    "ROCm tensors with DSV4_NUMERICS=fp32 (aiter's ties/rounding differ from the reference); "
+    "aiter kernels for the ops hip_kernels/aiter_ops.py maps (indexer top-k, MoE gate): auto = "
+    "only for ROCm tensors with DSV4_NUMERICS=fp32 (aiter's ties/rounding differ from the "
+    "reference); "
     "1 = always, an error if aiter is not importable; 0 = never", PKG)

@@ -33,7 +33,20 @@ def _make_stub() -> types.ModuleType:
 
     def topk_gating(topk_weights, topk_indices, gating_output, correction_bias=None,
                     need_renorm=True, routed_scaling_factor=1.0, score_func="sqrtsoftplus"):
-        stub.calls.append(("topk_gating",))
+        """aiter's documented semantics, computed in float64 and handed back in another expert
+        order (reversed), as a kernel may."""
+        stub.calls.append(("topk_gating", score_func, need_renorm, routed_scaling_factor))
+        assert topk_weights.dtype == torch.float32 and topk_indices.dtype == torch.int32
+        x = gating_output.double()
+        scores = {"softmax": x.softmax(-1), "sigmoid": x.sigmoid(),
+                  "sqrtsoftplus": torch.nn.functional.softplus(x).sqrt()}[score_func]
+        k = topk_weights.shape[1]
+        idx = (scores + correction_bias.double()).topk(k, dim=-1).indices
+        w = scores.gather(1, idx)
+        if need_renorm:
+            w = w / w.sum(-1, keepdim=True)
+        topk_weights.copy_((w * routed_scaling_factor).flip(-1))
+        topk_indices.copy_(idx.flip(-1).to(torch.int32))
 
     stub.topk_plain = topk_plain
     stub.topk_gating = topk_gating
@@ -304,4 +317,96 @@ def test_aiter_ops_match_torch_on_rocm(flag_env, dtype, n, t, k):
     assert aiter_ops.use_aiter("topk_rows", s)
     flag_env(DSV4_AITER="auto", DSV4_NUMERICS="reference")
     assert not aiter_ops.use_aiter("topk_rows", s)
+    aiter_ops.probe.cache_clear()
+
+
+def _by_expert(weights, indices):
+    """A gate's routing with each row's experts in ascending order (the order the MoE sums)."""
+    order = indices.argsort(-1)
+    return weights.gather(1, order), indices.gather(1, order)
+
+
+@pytest.mark.parametrize("score_func", ["sqrtsoftplus", "sigmoid", "softmax"])
+def test_moe_gate_on_aiter_routes_as_the_torch_path(aiter_env, score_func):
+    """DSV4_AITER=1: the biased gate is one aiter.topk_gating call with the gate's arguments
+    (renormalisation off after softmax); the same experts and weights as the torch path (to
+    fp32 rounding: the stub computes in float64), whatever order the kernel returns them in."""
+    flag_env, install = aiter_env
+    stub = install()
+    g = torch.Generator().manual_seed(5)
+    logits, bias = torch.randn(6, 16, generator=g), torch.randn(16, generator=g) * 0.1
+    flag_env(DSV4_AITER="0")
+    want = aiter_ops.moe_gate(logits, bias, 4, 2.5, score_func)
+    assert stub.calls == []
+    flag_env(DSV4_AITER="1")
+    got = aiter_ops.moe_gate(logits, bias, 4, 2.5, score_func)
+    assert stub.calls == [("topk_gating", score_func, score_func != "softmax", 2.5)]
+    (gw, gi), (ww, wi) = _by_expert(*got), _by_expert(*want)
+    assert gi.dtype == torch.int64 and torch.equal(gi, wi)
+    torch.testing.assert_close(gw, ww, rtol=1e-6, atol=1e-7)
+
+
+def test_the_models_gate_dispatches_only_biased_layers(aiter_env):
+    """A biased layer's Gate goes through moe_gate (aiter with DSV4_AITER=1, same routing); a
+    hash layer (experts from the token id) never calls aiter."""
+    from dsv4.config import ModelConfig
+    from dsv4.layers.moe import Gate
+    flag_env, install = aiter_env
+    stub = install()
+    cfg = ModelConfig.preset("tiny")
+    g = torch.Generator().manual_seed(9)
+    biased, hashed = Gate(cfg, cfg.n_hash_layers), Gate(cfg, 0)
+    assert not biased.hash and hashed.hash
+    with torch.no_grad():
+        for gate in (biased, hashed):
+            gate.weight.copy_(torch.randn(gate.weight.shape, generator=g))
+        biased.bias.copy_(torch.randn(biased.bias.shape, generator=g) * 0.1)
+        hashed.tid2eid.copy_(torch.randint(0, cfg.n_routed_experts, hashed.tid2eid.shape,
+                                           generator=g))
+    x = torch.randn(5, cfg.dim, generator=g).bfloat16()
+    ids = torch.randint(0, cfg.vocab_size, (5,), generator=g)
+    flag_env(DSV4_AITER="0")
+    want = [gate(x, ids) for gate in (biased, hashed)]
+    flag_env(DSV4_AITER="1")
+    got = [gate(x, ids) for gate in (biased, hashed)]
+    assert [c[0] for c in stub.calls] == ["topk_gating"]
+    assert torch.equal(got[1][0], want[1][0]) and torch.equal(got[1][1], want[1][1])
+    (gw, gi), (ww, wi) = _by_expert(*got[0]), _by_expert(*want[0])
+    assert torch.equal(gi, wi)
+    torch.testing.assert_close(gw, ww, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("args,name", [
+    ((torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(8), 2), "logits"),
+    ((torch.zeros(2, 8), torch.zeros(7), 2), "bias"),
+    ((torch.zeros(2, 8), torch.zeros(8), 9), "k"),
+    ((torch.zeros(2, 8), torch.zeros(8), 0), "k"),
+])
+def test_moe_gate_bad_input_names_the_argument(flag_env, args, name):
+    with pytest.raises(ValueError, match=name):
+        aiter_ops.moe_gate(*args, 1.0, "sqrtsoftplus")
+    with pytest.raises(ValueError, match="score_func"):
+        aiter_ops.moe_gate(torch.zeros(2, 8), torch.zeros(8), 2, 1.0, "relu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("score_func", ["sqrtsoftplus", "sigmoid", "softmax"])
+def test_aiter_moe_gate_matches_torch_on_rocm(flag_env, score_func):
+    """The real aiter.topk_gating against the torch path, V4-Flash-shaped (256 experts, top 6):
+    the same experts per token and the same weights to fp32 rounding."""
+    reason = _real_aiter_on_rocm()
+    if reason:
+        pytest.skip(reason)
+    aiter_ops.probe.cache_clear()
+    g = torch.Generator(device="cuda").manual_seed(3)
+    logits = torch.randn(37, 256, generator=g, device="cuda")
+    bias = torch.randn(256, generator=g, device="cuda") * 0.01
+    flag_env(DSV4_AITER="0")
+    want = aiter_ops.moe_gate(logits, bias, 6, 2.5, score_func)
+    flag_env(DSV4_AITER="1")
+    assert aiter_ops.probe().has("moe_gate")
+    (gw, gi), (ww, wi) = _by_expert(*aiter_ops.moe_gate(logits, bias, 6, 2.5, score_func)), \
+        _by_expert(*want)
+    assert torch.equal(gi, wi)
+    torch.testing.assert_close(gw, ww, rtol=1e-5, atol=1e-6)
     aiter_ops.probe.cache_clear()

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hip_kernels import aiter_ops
+
 from .linear import Linear
 
 
@@ -30,22 +32,15 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor,
                 input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights fp32 [N, k], expert indices int64 [N, k])."""
-        scores = F.linear(x.float(), self.weight.float())
-        if self.score_func == "softmax":
-            scores = scores.softmax(-1)
-        elif self.score_func == "sigmoid":
-            scores = scores.sigmoid()
-        else:
-            scores = F.softplus(scores).sqrt()
-        if self.hash:
-            indices = self.tid2eid[input_ids.long()]
-        else:
-            indices = (scores + self.bias).topk(self.topk, dim=-1)[1]
-        weights = scores.gather(1, indices)
-        if self.score_func != "softmax":
-            weights = weights / weights.sum(-1, keepdim=True)
-        return weights * self.route_scale, indices
+        """(weights fp32 [N, k], expert indices int64 [N, k]). A biased gate is one op,
+        ``aiter_ops.moe_gate`` (aiter's fused gate on ROCm where DSV4_AITER allows it)."""
+        logits = F.linear(x.float(), self.weight.float())
+        if not self.hash:
+            return aiter_ops.moe_gate(logits, self.bias, self.topk, self.route_scale,
+                                      self.score_func)
+        scores = aiter_ops.gate_scores(logits, self.score_func)
+        indices = self.tid2eid[input_ids.long()]
+        return aiter_ops.gate_weights(scores, indices, self.score_func, self.route_scale), indices
 
 
 class Expert(nn.Module):
