@@ -16,7 +16,7 @@ bytes = what an ideal kernel moves per call: the inputs it reads (rows, weight, 
 cos/sin, positions, locations, translated slots) plus what it writes (584 B per KV row, 132 per
 indexer row, q read and written in place, swa_loc_out). gb_per_s = bytes / p50 (1e9 B/s).
 hbm_fraction = bytes / p50 / peak HBM bandwidth of the GPU (MI300X 5.3 TB/s, MI355X 8 TB/s,
-H200 4.8 TB/s, by device name); null on a CPU or an unknown GPU.
+H100 3.35 TB/s, H200 4.8 TB/s, by device name); null on a CPU or an unknown GPU.
 
 Output JSON (beyond bench_common's record keys):
   "peak_hbm_bytes_per_s": number or null
@@ -43,7 +43,7 @@ from hip_kernels.platform import fp8_dialect
 OPS = ("fused_k_norm_rope_store", "fused_store_cache", "fused_translate_norm_rope_store",
        "store_kv_pack", "indexer_store")
 BACKENDS = ("torch", "triton", "hip")
-PEAK_HBM = {"MI300X": 5.3e12, "MI355X": 8.0e12, "H200": 4.8e12}
+PEAK_HBM = {"MI300X": 5.3e12, "MI355X": 8.0e12, "H100": 3.35e12, "H200": 4.8e12}
 EPS = 1e-6
 INTERPRETER_NOTE = ("triton ran in its CPU interpreter: its times say nothing about a GPU, and "
                     "its fp32->fp8 cast differs from torch's for a few percent of values, so "

@@ -7,6 +7,7 @@
 #     hipconfig.txt
 #     bench_swa_translation.json    scripts/bench_swa_translation.py
 #     bench_set_kv.json             scripts/bench_set_kv.py
+#     bench_decode_kernels.json     scripts/bench_decode_kernels.py (attention, indexer scores)
 #     bench_decode.json             scripts/bench_decode.py (flash-shaped layers on a GPU)
 #     bench_decode_pro.json         scripts/bench_decode.py --preset pro (GPU only)
 #     bench_sglang_plugin.json      scripts/bench_sglang_plugin.py (when SGLang is installed)
@@ -79,6 +80,8 @@ step swa_translation "$py" scripts/bench_swa_translation.py "${quick[@]}" \
 if [ -f scripts/bench_set_kv.py ]; then
   step set_kv "$py" scripts/bench_set_kv.py "${quick[@]}" --out "$dir/bench_set_kv.json"
 fi
+step decode_kernels "$py" scripts/bench_decode_kernels.py "${quick[@]}" \
+  --out "$dir/bench_decode_kernels.json"
 # shellcheck disable=SC2086  # the *_ARGS variables are word lists on purpose
 step decode "$py" scripts/bench_decode.py "${quick[@]}" ${BENCH_DECODE_ARGS:-} \
   --out "$dir/bench_decode.json"
