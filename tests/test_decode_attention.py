@@ -86,7 +86,7 @@ def assert_close(got, want):
 
 @pytest.mark.parametrize("reference", [False, True], ids=["fp32", "reference"])
 @pytest.mark.parametrize("n,heads,window,comp", [
-    (1, 4, 8, None), (3, 4, 8, 5), (2, 16, 128, 70), (2, 20, 16, 3)])
+    (1, 4, 8, None), (3, 4, 8, 5), (2, 16, 128, 70), (2, 20, 16, 3), (1, 64, 128, 70)])
 def test_triton_matches_torch(flag_env, reference, n, heads, window, comp):
     args = case(n * 7 + heads + window, n, heads, window, comp)
     want, got = both_backends(flag_env, args, reference)
