@@ -36,9 +36,9 @@ def check_tensor(name: str, t, *, dtype=None, dtypes=None, dim=None, shape=None,
         raise ValueError(f"{name} must have unit stride in its last dimension, got {t.stride()}")
 
 
-def check_page_size(page_size) -> None:
+def check_page_size(page_size, name: str = "page_size") -> None:
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
-        raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+        raise ValueError(f"{name} must be an int >= 1, got {page_size!r}")
 
 
 def check_eps(eps) -> None:

@@ -31,6 +31,7 @@ import torch
 
 from . import kv_layout, set_kv_ops  # noqa: F401  (set_kv_ops defines the library first)
 from .backend import resolve
+from .checks import check_cache, check_page_size, check_tensor
 from .platform import DIALECTS, fp8_dialect
 
 LIBRARY = "dsv4"
@@ -136,27 +137,9 @@ def _register() -> torch.library.Library:
 _LIB = _register()
 
 
-def _check(name: str, t, dtypes, shape, device) -> None:
-    """ValueError naming the argument unless t is a tensor of one of dtypes with shape (None:
-    any size) on device."""
-    want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-    kinds = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a {kinds} tensor {want}, got {type(t).__name__}")
-    if t.dtype not in dtypes or t.dim() != len(shape) or any(
-            s is not None and s != ts for s, ts in zip(shape, t.shape)):
-        raise ValueError(f"{name} must be {kinds} {want}, got {t.dtype} {tuple(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{name} must be on {device} (as q), got {t.device}")
-
-
 def _check_cache(prefix: str, cache, page_size, device) -> None:
-    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
-        raise ValueError(f"{prefix}page_size must be an int >= 1, got {page_size!r}")
-    _check(f"{prefix}cache", cache, (torch.uint8,), (None, kv_layout.page_bytes(page_size)),
-           device)
-    if not cache.is_contiguous():
-        raise ValueError(f"{prefix}cache must be contiguous")
+    check_page_size(page_size, f"{prefix}page_size")
+    check_cache(f"{prefix}cache", cache, kv_layout.page_bytes(page_size), page_size, device)
 
 
 def sparse_decode_attention(q: torch.Tensor, swa_cache: torch.Tensor, window_loc: torch.Tensor,
@@ -170,20 +153,25 @@ def sparse_decode_attention(q: torch.Tensor, swa_cache: torch.Tensor, window_loc
     never read (their loc is 0 by convention); every query must have a valid row (its own
     window slot does)."""
     dev = q.device
-    _check("q", q, (torch.bfloat16, torch.float32), (None, None, kv_layout.HEAD_DIM), dev)
+    check_tensor("q", q, dtypes=(torch.bfloat16, torch.float32),
+                 shape=(None, None, kv_layout.HEAD_DIM))
     n, h = q.shape[:2]
     _check_cache("swa_", swa_cache, swa_page_size, dev)
-    _check("window_loc", window_loc, (torch.int32, torch.int64), (n, None), dev)
-    _check("window_valid", window_valid, (torch.bool,), tuple(window_loc.shape), dev)
+    check_tensor("window_loc", window_loc, dtypes=(torch.int32, torch.int64), shape=(n, None),
+                 device=dev)
+    check_tensor("window_valid", window_valid, dtype=torch.bool, shape=tuple(window_loc.shape),
+                 device=dev)
     if comp_cache is not None:
         _check_cache("comp_", comp_cache, comp_page_size, dev)
-        _check("comp_loc", comp_loc, (torch.int32, torch.int64), (n, None), dev)
-        _check("comp_valid", comp_valid, (torch.bool,), tuple(comp_loc.shape), dev)
+        check_tensor("comp_loc", comp_loc, dtypes=(torch.int32, torch.int64), shape=(n, None),
+                     device=dev)
+        check_tensor("comp_valid", comp_valid, dtype=torch.bool, shape=tuple(comp_loc.shape),
+                     device=dev)
     elif comp_loc is not None or comp_valid is not None:
         raise ValueError("comp_loc and comp_valid need comp_cache (None: no compressed rows)")
-    _check("sink", sink, (torch.float32,), (h,), dev)
-    if isinstance(reference, int) and not isinstance(reference, bool):
-        raise ValueError(f"reference must be a bool, got {reference!r}")
+    check_tensor("sink", sink, dtype=torch.float32, shape=(h,), device=dev)
+    if not isinstance(reference, bool):
+        raise TypeError(f"reference must be a bool, got {reference!r}")
     return torch.ops.dsv4.sparse_decode_attention(
         q.contiguous(), swa_cache, window_loc.contiguous(), window_valid.contiguous(),
         swa_page_size, comp_cache, None if comp_loc is None else comp_loc.contiguous(),

@@ -24,7 +24,7 @@ import torch
 
 from . import kv_layout, set_kv_ops  # noqa: F401  (set_kv_ops defines the library first)
 from .backend import resolve
-from .checks import value_checks_enabled
+from .checks import check_cache, check_page_size, check_tensor, value_checks_enabled
 from .platform import DIALECTS, fp8_dialect
 
 LIBRARY = "dsv4"
@@ -73,32 +73,15 @@ def backend_for(device: torch.device) -> str:
     return resolve(OP, device)
 
 
-def _check(name: str, t, dtypes, shape, device=None) -> None:
-    """ValueError naming the argument unless t is a tensor of one of dtypes with shape (None:
-    any size) on device."""
-    want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-    kinds = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a {kinds} tensor {want}, got {type(t).__name__}")
-    if t.dtype not in dtypes or t.dim() != len(shape) or any(
-            s is not None and s != ts for s, ts in zip(shape, t.shape)):
-        raise ValueError(f"{name} must be {kinds} {want}, got {t.dtype} {tuple(t.shape)}")
-    if device is not None and t.device != device:
-        raise ValueError(f"{name} must be on {device} (as q), got {t.device}")
-
-
 def _check_args(q, weights, cache, loc, valid, page_size) -> None:
-    _check("q", q, Q_DTYPES, (None, None, kv_layout.INDEX_DIM))
+    check_tensor("q", q, dtypes=Q_DTYPES, shape=(None, None, kv_layout.INDEX_DIM))
     n, heads = q.shape[:2]
     dev = q.device
-    _check("weights", weights, WEIGHT_DTYPES, (n, heads), dev)
-    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
-        raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
-    _check("cache", cache, (torch.uint8,), (None, kv_layout.indexer_page_bytes(page_size)), dev)
-    if not cache.is_contiguous():
-        raise ValueError("cache must be contiguous")
-    _check("loc", loc, (torch.int64, torch.int32), (n, None), dev)
-    _check("valid", valid, (torch.bool,), tuple(loc.shape), dev)
+    check_tensor("weights", weights, dtypes=WEIGHT_DTYPES, shape=(n, heads), device=dev)
+    check_page_size(page_size)
+    check_cache("cache", cache, kv_layout.indexer_page_bytes(page_size), page_size, dev)
+    check_tensor("loc", loc, dtypes=(torch.int64, torch.int32), shape=(n, None), device=dev)
+    check_tensor("valid", valid, dtype=torch.bool, shape=tuple(loc.shape), device=dev)
     if loc.numel() and value_checks_enabled():
         capacity = cache.shape[0] * page_size
         lo, hi = torch.stack(torch.where(valid, loc, 0).aminmax()).tolist()

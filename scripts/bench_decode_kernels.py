@@ -36,26 +36,14 @@ import os
 import torch
 
 import bench_common as bc
-from bench_set_kv import peak_hbm_bytes_per_s
+from bench_set_kv import peak_hbm_bytes_per_s, skip_reason
 from hip_kernels import flags, kv_layout as L, set_kv
-from hip_kernels.backend import triton_usable
 from hip_kernels.decode_attention import sparse_decode_attention
 from hip_kernels.indexer_scores import indexer_scores
 
 BACKENDS = ("torch", "triton")
 PAGE = 64
 INTERPRETER_NOTE = "triton ran in its CPU interpreter: its times say nothing about a GPU"
-
-
-def skip_reason(backend: str, asked: bool) -> str:
-    dev = bc.device()
-    if backend == "triton":
-        if dev.type == "cpu" and not asked:
-            return ("not run on a CPU unless asked: only Triton's interpreter runs there (pass "
-                    "--backends torch,triton with TRITON_INTERPRET=1)")
-        if not triton_usable(dev):
-            return "needs triton and a GPU, or TRITON_INTERPRET=1 set before triton is imported"
-    return ""
 
 
 def _slots(g, batch: int, width: int, capacity: int) -> torch.Tensor:

@@ -170,18 +170,32 @@ def test_the_meta_implementation_gives_the_shape():
     assert out.shape == (2, 4, L.HEAD_DIM) and out.device.type == "meta"
 
 
-@pytest.mark.parametrize("change,match", [
-    (dict(q=torch.zeros(2, 4, 500, dtype=torch.bfloat16)), r"q must be .*\[\*, \*, 512\]"),
-    (dict(window_loc=torch.zeros(3, 8, dtype=torch.int64)), r"window_loc must be .*\[2, \*\]"),
-    (dict(window_valid=torch.ones(2, 7, dtype=torch.bool)), r"window_valid must be bool \[2, 8\]"),
-    (dict(sink=torch.zeros(5)), r"sink must be float32 \[4\]"),
-    (dict(swa_page_size=0), "swa_page_size must be an int >= 1"),
-    (dict(swa_cache=torch.zeros(2, 10, dtype=torch.uint8)), r"swa_cache must be uint8"),
-    (dict(comp_cache=None), "comp_loc and comp_valid need comp_cache"),
-    (dict(comp_valid=torch.ones(2, 4, dtype=torch.bool)), r"comp_valid must be bool \[2, 5\]"),
+@pytest.mark.parametrize("change,error,match", [
+    (dict(q=torch.zeros(2, 4, 500, dtype=torch.bfloat16)), ValueError,
+     r"q must have shape \[\*, \*, 512\]"),
+    (dict(q=torch.zeros(2, 4, 512, dtype=torch.float16)), TypeError,
+     "q must have dtype torch.bfloat16 or torch.float32"),
+    (dict(window_loc=torch.zeros(3, 8, dtype=torch.int64)), ValueError,
+     r"window_loc must have shape \[2, \*\]"),
+    (dict(window_valid=torch.ones(2, 7, dtype=torch.bool)), ValueError,
+     r"window_valid must have shape \[2, 8\]"),
+    (dict(window_valid=torch.ones(2, 8, dtype=torch.uint8)), TypeError,
+     "window_valid must have dtype torch.bool"),
+    (dict(sink=torch.zeros(5)), ValueError, r"sink must have shape \[4\]"),
+    (dict(sink=torch.zeros(4, dtype=torch.bfloat16)), TypeError,
+     "sink must have dtype torch.float32"),
+    (dict(swa_page_size=0), ValueError, "swa_page_size must be an int >= 1"),
+    (dict(swa_cache=torch.zeros(2, 10, dtype=torch.uint8)), ValueError,
+     "swa_cache page stride is 10 bytes but page_size=16 needs"),
+    (dict(swa_cache=torch.zeros(2, 10)), TypeError, "swa_cache must have dtype torch.uint8"),
+    (dict(comp_cache=None), ValueError, "comp_loc and comp_valid need comp_cache"),
+    (dict(comp_valid=torch.ones(2, 4, dtype=torch.bool)), ValueError,
+     r"comp_valid must have shape \[2, 5\]"),
 ])
-def test_bad_arguments_are_named(change, match):
+def test_bad_arguments_are_named(change, error, match):
     """(before any kernel runs)"""
     args = dict(case(2, 2, 4, 8, 5), **change)
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(error, match=match):
         A.sparse_decode_attention(**args, reference=False)
+    with pytest.raises(TypeError, match="reference must be a bool"):
+        A.sparse_decode_attention(**case(2, 2, 4, 8, 5), reference=1)

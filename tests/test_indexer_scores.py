@@ -1,7 +1,7 @@
 """The lightning indexer's scores read from the FP8 indexer cache as one dispatcher op: the
 Triton kernel (under the interpreter, with the conversion shim) against the torch path in both
 numerics and both fp8 dialects, -inf for invalid rows, poisoned keys, offsets past 4 GiB, one
-op per call, the backend choice, argument checks, and the reference against `Indexer.scores`.
+op per call, the backend choice, argument checks, and the reference against the formula.
 
 Caches are written by the real store op (`set_kv.indexer_store`, the model's power-of-two
 scales). fp32 numerics: the two backends sum in different orders, so they agree to fp32
@@ -163,12 +163,10 @@ def test_locations_past_4gib(flag_env):
 
 
 def test_reference_follows_the_formula_in_each_dtype():
-    """indexer_scores_ref (what the model's Indexer.scores runs) against the formula written
+    """indexer_scores_ref (the op's torch path, given the keys) against the formula written
     head by head: fp32 weights keep fp32 (to fp32 rounding of a float64 oracle); bf16 weights
     round q.k, the relu'd product with the weight, and the head sum (accumulated in fp32) to
     bf16 (to one bf16 ulp: the accumulation order may differ)."""
-    from dsv4.layers.indexer import Indexer
-
     g = gen(17)
     for q_dtype in (torch.float32, torch.bfloat16):
         q = torch.randn(3, 8, L.INDEX_DIM, generator=g).to(q_dtype)
@@ -177,7 +175,7 @@ def test_reference_follows_the_formula_in_each_dtype():
         exact = sum((q[:, h].double().unsqueeze(1) * keys.double()).sum(-1).relu()
                     * w[:, h, None].double() for h in range(8))
         got = S.indexer_scores_ref(q, w, keys)
-        assert got.dtype == torch.float32 and torch.equal(got, Indexer.scores(q, w, keys))
+        assert got.dtype == torch.float32
         torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-5)
 
         wb = w.bfloat16()
@@ -243,26 +241,30 @@ def test_the_backend_follows_the_flag(flag_env, monkeypatch):
 CACHE = torch.zeros(2, L.indexer_page_bytes(PAGE), dtype=torch.uint8)
 
 
-@pytest.mark.parametrize("bad, match", [
-    (dict(q=torch.zeros(2, 8, 64)), r"q must be float32 or bfloat16 \[\*, \*, 128\]"),
-    (dict(q=torch.zeros(2, 8, 128, dtype=torch.float16)), "q must be float32 or bfloat16"),
-    (dict(weights=torch.zeros(2, 4)), r"weights must be float32 or bfloat16 \[2, 8\]"),
-    (dict(weights=torch.zeros(2, 8, dtype=torch.float16)), "weights must be"),
-    (dict(cache=torch.zeros(2, 100, dtype=torch.uint8)), r"cache must be uint8 \[\*, 2112\]"),
-    (dict(cache=CACHE.float()), "cache must be uint8"),
-    (dict(cache=torch.zeros(2112, 2, dtype=torch.uint8).t()), "cache must be contiguous"),
-    (dict(loc=torch.zeros(3, 5, dtype=torch.int64)), r"loc must be int64 or int32 \[2, \*\]"),
-    (dict(loc=torch.zeros(2, 5)), "loc must be int64 or int32"),
-    (dict(valid=torch.ones(2, 5, dtype=torch.uint8)), r"valid must be bool \[2, 5\]"),
-    (dict(valid=torch.ones(2, 4, dtype=torch.bool)), r"valid must be bool \[2, 5\]"),
-    (dict(page_size=0), "page_size must be an int >= 1"),
-    (dict(q="q"), "q must be a float32 or bfloat16 tensor"),
+@pytest.mark.parametrize("bad, error, match", [
+    (dict(q=torch.zeros(2, 8, 64)), ValueError, r"q must have shape \[\*, \*, 128\]"),
+    (dict(q=torch.zeros(2, 8, 128, dtype=torch.float16)), TypeError,
+     "q must have dtype torch.float32 or torch.bfloat16"),
+    (dict(weights=torch.zeros(2, 4)), ValueError, r"weights must have shape \[2, 8\]"),
+    (dict(weights=torch.zeros(2, 8, dtype=torch.float16)), TypeError,
+     "weights must have dtype torch.float32 or torch.bfloat16"),
+    (dict(cache=torch.zeros(2, 100, dtype=torch.uint8)), ValueError,
+     "cache page stride is 100 bytes but page_size=16 needs 2112"),
+    (dict(cache=CACHE.float()), TypeError, "cache must have dtype torch.uint8"),
+    (dict(cache=torch.zeros(2112, 2, dtype=torch.uint8).t()), ValueError,
+     "cache must be contiguous"),
+    (dict(loc=torch.zeros(3, 5, dtype=torch.int64)), ValueError, r"loc must have shape \[2, \*\]"),
+    (dict(loc=torch.zeros(2, 5)), TypeError, "loc must have dtype torch.int64 or torch.int32"),
+    (dict(valid=torch.ones(2, 5, dtype=torch.uint8)), TypeError, "valid must have dtype torch.bool"),
+    (dict(valid=torch.ones(2, 4, dtype=torch.bool)), ValueError, r"valid must have shape \[2, 5\]"),
+    (dict(page_size=0), ValueError, "page_size must be an int >= 1"),
+    (dict(q="q"), TypeError, "q must be a torch.Tensor"),
 ])
-def test_bad_arguments_are_named(bad, match):
+def test_bad_arguments_are_named(bad, error, match):
     args = dict(q=torch.zeros(2, 8, 128), weights=torch.zeros(2, 8), cache=CACHE,
                 loc=torch.zeros(2, 5, dtype=torch.int64), valid=torch.ones(2, 5, dtype=torch.bool),
                 page_size=PAGE) | bad
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(error, match=match):
         S.indexer_scores(**args)
 
 

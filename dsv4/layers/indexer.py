@@ -3,7 +3,8 @@
 ``q = wq_b(qr)`` per index head [Hi, 128], RoPE on its last 64 dims, Hadamard rotation, FP4
 simulation; keys come from the indexer's own ratio-4 compressor (head_dim 128, same treatment).
 ``score[t] = sum_h relu(q_h . k_t) * w_h`` with ``w = weights_proj(x) * 128^-0.5 * Hi^-0.5``; the
-top ``index_topk`` visible rows are kept (all of them when there are no more than that).
+top ``index_topk`` visible rows are kept (all of them when there are no more than that). The
+scores are computed over the paged key cache by ``hip_kernels.indexer_scores`` (one op).
 With DSV4_NUMERICS=reference the weights, the q.k products, the weighting and the head sum are
 each rounded to the model dtype (bf16), as the reference computes them; with fp32 they stay fp32.
 """
@@ -14,7 +15,6 @@ import torch
 from torch import nn
 
 from hip_kernels import aiter_ops, numerics
-from hip_kernels.indexer_scores import indexer_scores_ref
 
 from .compressor import Compressor
 from .linear import Linear
@@ -48,14 +48,6 @@ class Indexer(nn.Module):
         if not numerics.is_reference():
             w = w.float()
         return w * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
-
-    @staticmethod
-    def scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """q [N, Hi, 128], weights [N, Hi], keys [N, T, 128] -> scores [N, T] in weights' dtype
-        (every step rounded to it: q.k, relu, the weighting, the sum over heads). Over the
-        paged key cache the model calls ``hip_kernels.indexer_scores``, which reads the keys in
-        place and computes the same thing."""
-        return indexer_scores_ref(q, weights, keys)
 
     def select(self, scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """Top-k of scores [N, T] among visible [N, T] rows: int64 [N, min(topk, T)], -1 where a
