@@ -1,5 +1,6 @@
-"""Write tests/data/reference_logits_tiny.safetensors: the reference inference code's
-teacher-forced logits on a random tiny checkpoint this repository generates.
+"""Write tests/data/reference_logits_tiny_<CPU kernel set>.safetensors: the reference inference
+code's teacher-forced logits on a random tiny checkpoint this repository generates, as this
+machine's torch computes them (one fixture per CPU kernel set, e.g. AVX512 and AVX2).
 
     python scripts/reference_oracle/make_fixture.py --reference-dir PATH/TO/inference
 
@@ -38,7 +39,13 @@ ROOT = HERE.parent.parent
 sys.path.insert(0, str(HERE))
 import run_reference as refdrv  # noqa: E402
 
-FIXTURE = ROOT / "tests" / "data" / "reference_logits_tiny.safetensors"
+FIXTURE_DIR = ROOT / "tests" / "data"
+
+
+def default_fixture() -> Path:
+    """The fixture for this machine's CPU kernel set (torch's get_cpu_capability())."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    return FIXTURE_DIR / f"reference_logits_tiny_{cap}.safetensors"
 
 
 def checkpoint_digest(path: Path) -> str:
@@ -62,7 +69,8 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0, help="checkpoint seed (default 0)")
     ap.add_argument("--tokens", default="random:200:0",
                     help="token ids, as run_reference takes them (default random:200:0)")
-    ap.add_argument("--out", default=str(FIXTURE))
+    ap.add_argument("--out", default=str(default_fixture()),
+                    help="default: tests/data/reference_logits_tiny_<CPU kernel set>.safetensors")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
