@@ -40,8 +40,8 @@ def fixture_meta(path: Path) -> dict:
 def fixture_for_here() -> Path | None:
     """The fixture made with this torch version on this CPU kernel set, if there is one."""
     here = (torch.__version__, torch.backends.cpu.get_cpu_capability())
-    return next((p for p in FIXTURES
-                 if (fixture_meta(p)["torch"], fixture_meta(p)["cpu_capability"]) == here), None)
+    made = {p: fixture_meta(p) for p in FIXTURES}
+    return next((p for p, m in made.items() if (m["torch"], m["cpu_capability"]) == here), None)
 
 
 def read_fixture():
