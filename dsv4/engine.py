@@ -8,7 +8,7 @@ step, then decodes all running requests together, one token per step (greedy, sa
 ``eos_token_id``; its pages are freed at once and it leaves the batch. When a decode step finds the pool exhausted, the latest
 admitted request is retracted to the host (``retraction.py``) and resumed when pages free up.
 SWA pages that leave the window are released after every step. Decode steps replay captured
-graphs (``graph_decode.py``) when DSV4_GRAPH is on. With a prefix cache (``prefix_cache=`` or
+graphs (``graphs/decode_runner.py``) when DSV4_GRAPH is on. With a prefix cache (``prefix_cache=`` or
 DSV4_PREFIX_CACHE) a prompt's cached prefix is loaded instead of prefilled
 (``prefix_reuse.py``).
 """
@@ -26,10 +26,11 @@ import torch
 from hip_kernels.checks import trusted_locations
 from mem_pool.dsv4_pool import create_dsv4_kv_cache
 from mem_pool.kv_cache_spec import KVCacheSpec, footprint
+from mem_pool.req_to_token_pool import ReqToTokenPool
 
 from . import envs
-from .forward_batch import ForwardBatch, ForwardMode, ReqToTokenPool
-from .graph_decode import decode_inputs, make_decode_graph_runner
+from .forward_batch import ForwardBatch, ForwardMode
+from .graphs.decode_runner import decode_inputs, make_decode_graph_runner
 from .prefix_reuse import (boundary_capture, insert_prompt_pages, load_prefix, match_prompt,
                            prefix_cache_from_env)
 from .request import Request

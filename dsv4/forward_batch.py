@@ -1,8 +1,8 @@
-"""What one forward step reads: the batch of new tokens and where their requests' tokens live.
+"""What one forward step reads: the batch of new tokens.
 
 ``ForwardBatch`` carries the per-row tensors of a step (flattened over requests, request by
-request, positions consecutive within a request). ``ReqToTokenPool`` maps (request slot, position)
-to the token's full-cache location; slot 0 is the dummy slot that padded rows point at.
+request, positions consecutive within a request); where the requests' tokens live is
+``mem_pool.ReqToTokenPool``.
 """
 
 from __future__ import annotations
@@ -57,45 +57,3 @@ class ForwardBatch:
             return torch.arange(self.batch_size, device=self.input_ids.device)
         return torch.repeat_interleave(torch.arange(self.batch_size, device=self.input_ids.device),
                                        self.extend_seq_lens)
-
-
-class ReqToTokenPool:
-    """req_to_token[slot, position] = full-cache location (int32); slot 0 is reserved (dummy)."""
-
-    def __init__(self, max_requests: int, max_context_len: int, device="cpu"):
-        self.max_context_len = max_context_len
-        self.req_to_token = torch.zeros(max_requests + 1, max_context_len, dtype=torch.int32,
-                                        device=device)
-        self._free = list(range(1, max_requests + 1))
-
-    @property
-    def max_requests(self) -> int:
-        return self.req_to_token.shape[0] - 1
-
-    def available(self) -> int:
-        return len(self._free)
-
-    def alloc(self) -> int | None:
-        return self._free.pop(0) if self._free else None
-
-    def free(self, slot: int) -> None:
-        if not 1 <= slot <= self.max_requests or slot in self._free:
-            raise ValueError(f"request slot {slot} is not allocated")
-        self._free.append(slot)
-
-    def write(self, slot: int, start: int, locs: torch.Tensor) -> None:
-        end = start + locs.shape[0]
-        if end > self.max_context_len:
-            raise ValueError(f"request slot {slot}: positions up to {end - 1} exceed "
-                             f"max_context_len={self.max_context_len}")
-        self.req_to_token[slot, start:end] = locs.to(torch.int32)
-
-    def write_positions(self, slots: torch.Tensor, positions: torch.Tensor,
-                        locs: torch.Tensor) -> None:
-        """req_to_token[slots[i], positions[i]] = locs[i] in one op (slots and positions: host
-        int64 tensors, so the bound check costs no sync)."""
-        if positions.numel() and int(positions.max()) >= self.max_context_len:
-            raise ValueError(f"positions up to {int(positions.max())} exceed "
-                             f"max_context_len={self.max_context_len}")
-        dev = self.req_to_token.device
-        self.req_to_token[slots.to(dev), positions.to(dev)] = locs.to(dev, torch.int32)

@@ -13,7 +13,7 @@ class Request:
     prompt: list[int]
     max_new_tokens: int
     forced: list[int] | None = None     # tokens to append instead of sampling (teacher forcing)
-    slot: int | None = None             # request slot in ReqToTokenPool while it holds KV
+    slot: int | None = None             # request slot in mem_pool.ReqToTokenPool while it holds KV
     seq_len: int = 0                    # tokens whose KV is stored
     out: list[int] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)

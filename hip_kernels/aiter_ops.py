@@ -1,7 +1,8 @@
 """Optional aiter kernels (AMD's ROCm op library) for ops whose semantics map exactly onto them.
 
 aiter is never required: every op here has a torch path, the code the model ran before, and that
-path runs whenever aiter is not used. ``DSV4_AITER`` picks the policy:
+path runs whenever aiter is not used (the MoE gate's torch path is the gate's own math in
+``dsv4.layers.moe``: ``moe_gate`` returns None for a call aiter does not take). ``DSV4_AITER`` picks the policy:
 
 - ``auto`` (the default): aiter runs an op only when aiter is importable, the op's tensors are on
   a ROCm GPU, and ``DSV4_NUMERICS=fp32``. aiter's kernels do not reproduce the reference code's
@@ -176,31 +177,6 @@ def topk_rows(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
     return _topk_torch(scores, k)
 
 
-def gate_scores(logits: torch.Tensor, score_func: str) -> torch.Tensor:
-    """The MoE gate's scores of fp32 logits [N, E]."""
-    if score_func == "softmax":
-        return logits.softmax(-1)
-    if score_func == "sigmoid":
-        return logits.sigmoid()
-    return torch.nn.functional.softplus(logits).sqrt()
-
-
-def gate_weights(scores: torch.Tensor, indices: torch.Tensor, score_func: str,
-                 route_scale: float) -> torch.Tensor:
-    """The chosen experts' weights: their scores, renormalised to sum 1 (not after softmax),
-    times the route scale."""
-    weights = scores.gather(1, indices)
-    if score_func != "softmax":
-        weights = weights / weights.sum(-1, keepdim=True)
-    return weights * route_scale
-
-
-def _moe_gate_torch(logits, bias, k, route_scale, score_func):
-    scores = gate_scores(logits, score_func)
-    indices = (scores + bias).topk(k, dim=-1)[1]
-    return gate_weights(scores, indices, score_func, route_scale), indices
-
-
 def _moe_gate_aiter(logits, bias, k, route_scale, score_func):
     n = logits.shape[0]
     weights = torch.empty(n, k, dtype=torch.float32, device=logits.device)
@@ -211,10 +187,11 @@ def _moe_gate_aiter(logits, bias, k, route_scale, score_func):
 
 
 def moe_gate(logits: torch.Tensor, bias: torch.Tensor, k: int, route_scale: float,
-             score_func: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The routing of a biased MoE gate: scores = score_func(logits [N, E] fp32), the k experts
-    of largest scores + bias [E], their scores renormalised (not after softmax) times
-    route_scale. (weights fp32 [N, k], expert indices int64 [N, k])."""
+             score_func: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The routing of a biased MoE gate on aiter: scores = score_func(logits [N, E] fp32), the k
+    experts of largest scores + bias [E], their scores renormalised (not after softmax) times
+    route_scale. (weights fp32 [N, k], expert indices int64 [N, k]), or None when the policy
+    keeps this call on torch: the caller then runs its own gate math (``dsv4.layers.moe``)."""
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.dtype != torch.float32:
         raise ValueError(f"logits: expected an fp32 tensor [N, E], got "
                          f"{getattr(logits, 'dtype', type(logits).__name__)} "
@@ -228,4 +205,4 @@ def moe_gate(logits: torch.Tensor, bias: torch.Tensor, k: int, route_scale: floa
         raise ValueError(f"score_func={score_func!r}: expected one of {SCORE_FUNCS}")
     if logits.shape[0] and use_aiter("moe_gate", logits, bias):
         return _moe_gate_aiter(logits, bias, k, route_scale, score_func)
-    return _moe_gate_torch(logits, bias, k, route_scale, score_func)
+    return None

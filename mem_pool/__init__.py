@@ -19,6 +19,7 @@ from .page_record import (PageRecord, boundary_state, join_page_records, record_
                           with_boundary_state)
 from .paged_allocator import PagedAllocator
 from .prefix_cache import PrefixCache, PrefixCacheStats, PrefixHit, complete_states
+from .req_to_token_pool import ReqToTokenPool
 from .swa_allocator import SWATokenToKVPoolAllocator
 from .swa_loc_cache import StaleSwaLocError, SwaLocCache, SwaLocStats
 from .swa_prefetch import (CommitPlan, PageRelease, commit_plan, plan_prefix_commit,
@@ -31,7 +32,7 @@ __all__ = [
     "envs",
     "PagedAllocator", "SWATokenToKVPoolAllocator",
     "KVCacheSpec", "CacheFootprint", "footprint",
-    "DeepSeekV4TokenToKVPool", "create_dsv4_kv_cache",
+    "DeepSeekV4TokenToKVPool", "create_dsv4_kv_cache", "ReqToTokenPool",
     "SwaLocCache", "SwaLocStats", "StaleSwaLocError", "KVHostCopy",
     "swa_tail_len", "prealloc_kv_lens", "PreallocLens", "PreallocBudget",
     # prefix KV cache and its building blocks

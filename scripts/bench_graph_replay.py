@@ -27,7 +27,7 @@ import bench_common as bc
 from dsv4.config import ModelConfig
 from dsv4.engine import Engine
 from dsv4.forward_batch import ForwardBatch, ForwardMode
-from dsv4.graph_decode import decode_inputs
+from dsv4.graphs.decode_runner import decode_inputs
 from dsv4.model import DeepseekV4Model
 from dsv4.random_init import init_random_weights
 from hip_kernels.checks import trusted_locations

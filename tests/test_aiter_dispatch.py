@@ -13,6 +13,7 @@ import types
 import pytest
 import torch
 
+from dsv4.layers.moe import biased_gate
 from hip_kernels import aiter_ops, platform
 
 
@@ -336,7 +337,8 @@ def test_moe_gate_on_aiter_routes_as_the_torch_path(aiter_env, score_func):
     g = torch.Generator().manual_seed(5)
     logits, bias = torch.randn(6, 16, generator=g), torch.randn(16, generator=g) * 0.1
     flag_env(DSV4_AITER="0")
-    want = aiter_ops.moe_gate(logits, bias, 4, 2.5, score_func)
+    assert aiter_ops.moe_gate(logits, bias, 4, 2.5, score_func) is None   # torch's to run
+    want = biased_gate(logits, bias, 4, 2.5, score_func)
     assert stub.calls == []
     flag_env(DSV4_AITER="1")
     got = aiter_ops.moe_gate(logits, bias, 4, 2.5, score_func)
@@ -402,7 +404,7 @@ def test_aiter_moe_gate_matches_torch_on_rocm(flag_env, score_func):
     logits = torch.randn(37, 256, generator=g, device="cuda")
     bias = torch.randn(256, generator=g, device="cuda") * 0.01
     flag_env(DSV4_AITER="0")
-    want = aiter_ops.moe_gate(logits, bias, 6, 2.5, score_func)
+    want = biased_gate(logits, bias, 6, 2.5, score_func)
     flag_env(DSV4_AITER="1")
     assert aiter_ops.probe().has("moe_gate")
     (gw, gi), (ww, wi) = _by_expert(*aiter_ops.moe_gate(logits, bias, 6, 2.5, score_func)), \

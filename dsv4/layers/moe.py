@@ -13,6 +13,34 @@ from hip_kernels import aiter_ops
 from .linear import Linear
 
 
+def gate_scores(logits: torch.Tensor, score_func: str) -> torch.Tensor:
+    """The MoE gate's scores of fp32 logits [N, E]."""
+    if score_func == "softmax":
+        return logits.softmax(-1)
+    if score_func == "sigmoid":
+        return logits.sigmoid()
+    return F.softplus(logits).sqrt()
+
+
+def gate_weights(scores: torch.Tensor, indices: torch.Tensor, score_func: str,
+                 route_scale: float) -> torch.Tensor:
+    """The chosen experts' weights: their scores, renormalised to sum 1 (not after softmax),
+    times the route scale."""
+    weights = scores.gather(1, indices)
+    if score_func != "softmax":
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights * route_scale
+
+
+def biased_gate(logits: torch.Tensor, bias: torch.Tensor, k: int, route_scale: float,
+                score_func: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch routing of a biased gate: the k experts of largest scores + bias, weighted by
+    their scores. (weights fp32 [N, k], expert indices int64 [N, k])."""
+    scores = gate_scores(logits, score_func)
+    indices = (scores + bias).topk(k, dim=-1)[1]
+    return gate_weights(scores, indices, score_func, route_scale), indices
+
+
 class Gate(nn.Module):
     def __init__(self, cfg, layer_id: int, dtype: torch.dtype = torch.bfloat16, device=None):
         super().__init__()
@@ -32,15 +60,18 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor,
                 input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights fp32 [N, k], expert indices int64 [N, k]). A biased gate is one op,
-        ``aiter_ops.moe_gate`` (aiter's fused gate on ROCm where DSV4_AITER allows it)."""
+        """(weights fp32 [N, k], expert indices int64 [N, k]). A biased gate is one op on aiter
+        (``aiter_ops.moe_gate``) where DSV4_AITER allows it, else ``biased_gate``."""
         logits = F.linear(x.float(), self.weight.float())
         if not self.hash:
-            return aiter_ops.moe_gate(logits, self.bias, self.topk, self.route_scale,
-                                      self.score_func)
-        scores = aiter_ops.gate_scores(logits, self.score_func)
+            routed = aiter_ops.moe_gate(logits, self.bias, self.topk, self.route_scale,
+                                        self.score_func)
+            if routed is not None:
+                return routed
+            return biased_gate(logits, self.bias, self.topk, self.route_scale, self.score_func)
+        scores = gate_scores(logits, self.score_func)
         indices = self.tid2eid[input_ids.long()]
-        return aiter_ops.gate_weights(scores, indices, self.score_func, self.route_scale), indices
+        return gate_weights(scores, indices, self.score_func, self.route_scale), indices
 
 
 class Expert(nn.Module):

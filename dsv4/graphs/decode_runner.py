@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from .forward_batch import ForwardBatch, ForwardMode
-from .graphs import GraphRunner
+from ..forward_batch import ForwardBatch, ForwardMode
+from .runner import GraphRunner
 
 INPUT_NAMES = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens")
 PAD_VALUES = {"seq_lens": 1}  # every other input pads with 0: slot 0, location 0, position 0
