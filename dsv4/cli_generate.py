@@ -192,7 +192,7 @@ def _prefix_cache(args, config, context_len: int, batch: int):
         return None
     if args.prefix_cache is False:
         return False
-    from mem_pool.prefix_cache import PrefixCache
+    from mem_pool.prefix import PrefixCache
 
     from . import envs
     from .engine import PAGE_SIZE as page_size

@@ -80,7 +80,7 @@ class Engine:
                  page_size: int = PAGE_SIZE, max_batch: int = 8, max_context_len: int | None = None,
                  kv_bytes: int | None = None, eos_token_id: int | None = None,
                  graph: bool | None = None, prefix_cache=None):
-        """prefix_cache: a ``mem_pool.prefix_cache.PrefixCache`` of this page size and window,
+        """prefix_cache: a ``mem_pool.prefix.PrefixCache`` of this page size and window,
         False for none, or None to follow DSV4_PREFIX_CACHE (off by default)."""
         for name, value in (("max_batch", max_batch), ("page_size", page_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

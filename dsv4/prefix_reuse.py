@@ -1,4 +1,4 @@
-"""The engine's side of the prefix cache (``mem_pool.prefix_cache``).
+"""The engine's side of the prefix cache (``mem_pool.prefix``).
 
 On admission each prompt asks the cache for its longest cached prefix, leaving at least its
 last token to compute (the first generated token needs its logits). The request gets fresh
@@ -22,8 +22,8 @@ import torch
 from mem_pool import envs as _pool_envs  # noqa: F401  (registers the pool's flags first)
 from mem_pool.host_copy import KVHostCopy, get_cpu_copy
 from mem_pool.kv_cache_spec import STATE_RING
-from mem_pool.page_record import split_host_copy, with_boundary_state
-from mem_pool.prefix_cache import PrefixCache, PrefixHit, complete_states
+from mem_pool.prefix import (PrefixCache, PrefixHit, complete_states, split_host_copy,
+                             with_boundary_state)
 
 from . import envs
 from .request import Request

@@ -8,23 +8,18 @@ import logging
 from . import envs
 from .disagg import PreallocBudget, PreallocLens, prealloc_kv_lens, swa_tail_len
 from .dsv4_pool import DeepSeekV4TokenToKVPool, create_dsv4_kv_cache
-from .file_page_store import FilePageStore
 from .host_copy import KVHostCopy
-from .host_page_store import HostPageStore
 from .kv_cache_spec import CacheFootprint, KVCacheSpec, footprint
-from .page_file_format import PageFileError
-from .page_keys import page_keys
-from .page_record import (PageRecord, boundary_state, join_page_records, record_from_bytes,
-                          record_page_size, record_to_bytes, split_host_copy,
-                          with_boundary_state)
 from .paged_allocator import PagedAllocator
-from .prefix_cache import PrefixCache, PrefixCacheStats, PrefixHit, complete_states
+from .prefix import (Agreement, CommitPlan, FilePageStore, HostPageStore, PageFileError,
+                     PageRecord, PageRelease, PrefixCache, PrefixCacheStats, PrefixHit,
+                     agree_on_commit, boundary_state, commit_agreed, commit_plan, complete_states,
+                     join_page_records, page_keys, plan_prefix_commit, record_from_bytes,
+                     record_page_size, record_to_bytes, release_short_prefetch, split_host_copy,
+                     swa_window_pages, with_boundary_state)
 from .req_to_token_pool import ReqToTokenPool
 from .swa_allocator import SWATokenToKVPoolAllocator
 from .swa_loc_cache import StaleSwaLocError, SwaLocCache, SwaLocStats
-from .swa_prefetch import (CommitPlan, PageRelease, commit_plan, plan_prefix_commit,
-                           release_short_prefetch, swa_window_pages)
-from .tp_agreement import Agreement, agree_on_commit, commit_agreed
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 

@@ -26,7 +26,7 @@ from dsv4.config import ModelConfig
 from dsv4.engine import Engine
 from dsv4.model import DeepseekV4Model
 from dsv4.random_init import init_random_weights
-from mem_pool.prefix_cache import PrefixCache
+from mem_pool.prefix import PrefixCache
 
 
 def prompts(batch: int, length: int, seed: int) -> list[list[int]]:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mem_pool import page_keys
-from mem_pool.page_keys import root_key
+from mem_pool.prefix.page_keys import root_key
 
 
 def chain_by_hand(ids, page_size, namespace=""):

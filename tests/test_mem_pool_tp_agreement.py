@@ -15,7 +15,7 @@ import torch.distributed as dist
 from prefix_prefetch_sim import PAGE_SIZE, WINDOW
 
 from mem_pool import Agreement, agree_on_commit, commit_agreed, commit_plan
-from mem_pool.tp_agreement import agreement_from_reduced, pack_outcome
+from mem_pool.prefix.tp_agreement import agreement_from_reduced, pack_outcome
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "prefix_tp_worker.py"

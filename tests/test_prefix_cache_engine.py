@@ -16,9 +16,9 @@ from dsv4.engine import Engine
 from dsv4.model import DeepseekV4Model
 from dsv4.random_init import init_random_weights
 from hip_kernels import flags
-from mem_pool.file_page_store import PAGE_SUFFIX
-from mem_pool.page_record import KV
-from mem_pool.prefix_cache import PrefixCache
+from mem_pool.prefix.file_page_store import PAGE_SUFFIX
+from mem_pool.prefix.page_record import KV
+from mem_pool.prefix import PrefixCache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 # A window of two pages, so that a one-page prefix is shorter than the window.

@@ -29,7 +29,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from .swa_prefetch import CommitPlan, PageRelease, commit_plan, swa_window_pages
+from .commit_rule import CommitPlan, PageRelease, commit_plan, swa_window_pages
 
 
 @dataclass(frozen=True)

@@ -31,12 +31,12 @@ from typing import Sequence
 
 import torch
 
+from ..host_copy import KVHostCopy
+from .commit_rule import CommitPlan, commit_plan, plan_prefix_commit, release_short_prefetch
 from .file_page_store import FilePageStore
-from .host_copy import KVHostCopy
 from .host_page_store import HostPageStore
 from .page_keys import page_keys
 from .page_record import KV, PageRecord, join_page_records
-from .swa_prefetch import CommitPlan, commit_plan, plan_prefix_commit, release_short_prefetch
 from .tp_agreement import Agreement, agree_on_commit, commit_agreed
 
 logger = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ from typing import Sequence
 import safetensors.torch
 import torch
 
-from .host_copy import HostRows, KVHostCopy
+from ..host_copy import HostRows, KVHostCopy
 
 PageRecord = dict[str, torch.Tensor]
 KV, STATE = "kv", "state"
