@@ -8,9 +8,14 @@ step, then decodes all running requests together, one token per step (greedy, sa
 ``eos_token_id``; its pages are freed at once and it leaves the batch. When a decode step finds the pool exhausted, the latest
 admitted request is retracted to the host (``retraction.py``) and resumed when pages free up.
 SWA pages that leave the window are released after every step. Decode steps replay captured
-graphs (``graphs/decode_runner.py``) when DSV4_GRAPH is on. With a prefix cache (``prefix_cache=`` or
-DSV4_PREFIX_CACHE) a prompt's cached prefix is loaded instead of prefilled
-(``prefix_reuse.py``).
+graphs (``graphs/decode_runner.py``) when ``options.graph`` (DSV4_GRAPH) is on. With a prefix
+cache (``prefix_cache=`` or DSV4_PREFIX_CACHE) a prompt's cached prefix is loaded instead of
+prefilled (``prefix_reuse.py``).
+
+Flags are read once, when the engine is made: ``Engine(model, options=None)`` takes
+``Options.from_env()`` then, and hands that value to every forward, to its graphs and to its
+prefix cache; a flag changed afterwards changes nothing in this engine (pass ``options=`` or make
+another engine).
 """
 
 from __future__ import annotations
@@ -27,12 +32,14 @@ from hip_kernels.checks import trusted_locations
 from mem_pool.dsv4_pool import create_dsv4_kv_cache
 from mem_pool.kv_cache_spec import KVCacheSpec, footprint
 from mem_pool.req_to_token_pool import ReqToTokenPool
+from mem_pool.swa_window import pages_out_of_window
 
-from . import envs
 from .forward_batch import ForwardBatch, ForwardMode
 from .graphs.decode_runner import decode_inputs, make_decode_graph_runner
+from .options import Options
+from .paged_attention import RingRowCapture
 from .prefix_reuse import (boundary_capture, insert_prompt_pages, load_prefix, match_prompt,
-                           prefix_cache_from_env)
+                           prefix_cache_from_options)
 from .request import Request
 from .retraction import retract, try_resume
 from .sampling import GREEDY, SamplingParams, sample
@@ -76,16 +83,31 @@ class EngineStats:
 
 
 class Engine:
+    """Decode engine for one ``DeepseekV4Model``: its KV pool, its request slots, its graphs.
+
+    The pool holds ``max_total_tokens`` tokens (or what ``kv_bytes`` buys); by default enough
+    for ``max_batch`` requests of ``max_context_len`` tokens (the model's ``max_seq_len``).
+    ``generate(prompts, max_new_tokens, sampling=SamplingParams(...))`` returns a
+    ``GenerateOutput``: the new tokens of each prompt and, per request, ``errors``.
+    ``graph`` (default: DSV4_GRAPH) captures decode steps as graphs; ``eos_token_id`` ends a
+    request early. On a CPU, set ``torch.set_num_threads(1)`` first, as ``python -m dsv4
+    generate`` does: the tiny model's ops are too small to share between threads, and on a busy
+    machine torch's default thread count makes the same call several times slower.
+    """
+
     def __init__(self, model, max_total_tokens: int | None = None, swa_tokens: int | None = None,
                  page_size: int = PAGE_SIZE, max_batch: int = 8, max_context_len: int | None = None,
                  kv_bytes: int | None = None, eos_token_id: int | None = None,
-                 graph: bool | None = None, prefix_cache=None):
+                 graph: bool | None = None, prefix_cache=None, options: Options | None = None):
         """prefix_cache: a ``mem_pool.prefix.PrefixCache`` of this page size and window,
-        False for none, or None to follow DSV4_PREFIX_CACHE (off by default)."""
+        False for none, or None to follow options.prefix_cache (off by default). graph: capture
+        and replay decode steps; None follows options.graph. options: what every step computes
+        with (a ``dsv4.Options``); None reads the DSV4_* flags now, once."""
         for name, value in (("max_batch", max_batch), ("page_size", page_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         cfg = model.config
+        self.options = Options.from_env() if options is None else options
         self.model = model
         self.device = next(model.parameters()).device
         self.max_batch = max_batch
@@ -104,13 +126,13 @@ class Engine:
         self.req_to_token_pool = ReqToTokenPool(max_batch, self.max_context_len, self.device)
         self.page_size = page_size
         self.stats = EngineStats()
-        use_graph = envs.GRAPH.get() if graph is None else graph
+        use_graph = self.options.graph if graph is None else graph
         self.graph_runner = make_decode_graph_runner(
             model, self.pool, self.req_to_token, max_batch, self.max_context_len,
-            self.device) if use_graph else None
+            self.device, self.options) if use_graph else None
         if prefix_cache is None:
-            prefix_cache = prefix_cache_from_env(page_size, cfg.window_size,
-                                                 max_total_tokens // page_size)
+            prefix_cache = prefix_cache_from_options(self.options, page_size, cfg.window_size,
+                                                     max_total_tokens // page_size)
         elif prefix_cache is not False and (prefix_cache.page_size, prefix_cache.window) != (
                 page_size, cfg.window_size):
             raise ValueError(f"prefix_cache holds pages of {prefix_cache.page_size} tokens for "
@@ -142,11 +164,14 @@ class Engine:
     def req_to_token(self) -> torch.Tensor:
         return self.req_to_token_pool.req_to_token
 
-    def forward(self, batch: ForwardBatch, all_logits: bool = False) -> torch.Tensor:
-        """The model on a batch this engine built: its locations come from the allocator, which
-        checked them when it handed them out, so the forward skips the per-op range checks."""
+    def forward(self, batch: ForwardBatch, all_logits: bool = False,
+                ring_capture: RingRowCapture | None = None) -> torch.Tensor:
+        """The model on a batch this engine built, with this engine's options: its locations
+        come from the allocator, which checked them when it handed them out, so the forward
+        skips the per-op range checks."""
         with trusted_locations():
-            return self.model(batch, self.pool, self.req_to_token, all_logits=all_logits)
+            return self.model(batch, self.pool, self.req_to_token, all_logits=all_logits,
+                              options=self.options, ring_capture=ring_capture)
 
     @torch.no_grad()
     def generate(self, prompt_token_ids: list[list[int]], max_new_tokens: int,
@@ -309,11 +334,10 @@ class Engine:
             max_seq_len=max(len(r.prompt) for r in reqs),
             host_positions=positions)
         capture = boundary_capture(reqs, starts, self.page_size, dev) if cache else None
+        rings = RingRowCapture(capture.rows) if capture is not None else None
+        logits = self.forward(batch, ring_capture=rings)
         if capture is not None:
-            batch.capture_state_rows = capture.rows
-        logits = self.forward(batch)
-        if capture is not None:
-            insert_prompt_pages(self, cache, capture, batch.captured_states)
+            insert_prompt_pages(self, cache, capture, rings.states)
         running.extend(reqs)
         self._finish_step(reqs, running, logits, return_logits)
         self.stats.prefill_s.append(time.perf_counter() - began)
@@ -375,7 +399,8 @@ class Engine:
         if not self.graph_runner.graphs:
             self.graph_runner.capture()
         self.stats.graph_steps += 1
-        return self.graph_runner.replay(decode_inputs(batch)).clone()  # views of static outputs
+        # clone: replay returns views of the static outputs
+        return self.graph_runner.replay(decode_inputs(batch), self.options).clone()
 
     def _finish_step(self, stepped: list[Request], running: list[Request], logits: torch.Tensor,
                      return_logits: bool) -> None:
@@ -399,8 +424,8 @@ class Engine:
     def _evict_out_of_window(self, req: Request) -> None:
         """Free the SWA pages of the whole pages that just left the window (nothing on most
         steps; never a rescan of the request's history)."""
-        gone = max(0, req.seq_len - self.model.config.window_size) // self.page_size
-        gone *= self.page_size
+        gone = pages_out_of_window(req.seq_len, self.model.config.window_size,
+                                   self.page_size) * self.page_size
         if gone > req.swa_freed_to:
             self.allocator.free_swa(torch.tensor(req.locs[req.swa_freed_to:gone]))
             req.swa_freed_to = gone

@@ -24,22 +24,24 @@ from mem_pool.host_copy import KVHostCopy, get_cpu_copy
 from mem_pool.kv_cache_spec import STATE_RING
 from mem_pool.prefix import (PrefixCache, PrefixHit, complete_states, split_host_copy,
                              with_boundary_state)
+from mem_pool.swa_window import pages_out_of_window
 
-from . import envs
+from .options import Options
 from .request import Request
 
 RING = STATE_RING[4]
 
 
-def prefix_cache_from_env(page_size: int, window: int, device_pages: int) -> PrefixCache | None:
-    """The cache DSV4_PREFIX_CACHE asks for (None when it is off)."""
-    if not envs.PREFIX_CACHE.get():
+def prefix_cache_from_options(options: Options, page_size: int, window: int,
+                              device_pages: int) -> PrefixCache | None:
+    """The cache options.prefix_cache asks for (DSV4_PREFIX_CACHE; None when it is off)."""
+    if not options.prefix_cache:
         return None
-    host_pages = envs.PREFIX_CACHE_HOST_PAGES.get()
+    host_pages = options.prefix_cache_host_pages
     if host_pages < 0:
         raise ValueError(f"DSV4_PREFIX_CACHE_HOST_PAGES={host_pages}: expected >= 0")
     return PrefixCache(page_size, window, host_pages or device_pages,
-                       file_dir=envs.PREFIX_CACHE_DIR.get() or None)
+                       file_dir=options.prefix_cache_dir or None)
 
 
 def match_prompt(cache: PrefixCache, req: Request) -> PrefixHit:
@@ -51,7 +53,7 @@ def load_prefix(engine, req: Request, hit: PrefixHit, locs: torch.Tensor) -> Non
     device) and its slot's compressor rings; free the SWA pages before the window."""
     k, window = hit.tokens, engine.model.config.window_size
     engine.allocator.free_swa_out_of_window(torch.tensor(req.locs[:k]), k, window)
-    req.swa_freed_to = max(0, k - window) // engine.page_size * engine.page_size
+    req.swa_freed_to = pages_out_of_window(k, window, engine.page_size) * engine.page_size
     copy = hit.copy
     engine.pool.load_cpu_copy(
         KVHostCopy(copy.num_tokens, copy.families, complete_states(engine.pool, copy.states)),

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from mem_pool.swa_window import pages_out_of_window
+
 from .request import Request
 
 
@@ -36,7 +38,7 @@ def try_resume(engine, req: Request) -> bool:
     engine.req_to_token_pool.write(req.slot, 0, locs)
     window = engine.model.config.window_size
     engine.allocator.free_swa_out_of_window(torch.tensor(req.locs), req.seq_len, window)
-    req.swa_freed_to = max(0, req.seq_len - window) // engine.page_size * engine.page_size
+    req.swa_freed_to = pages_out_of_window(req.seq_len, window, engine.page_size) * engine.page_size
     engine.pool.load_cpu_copy(req.host_copy, locs, req_pool_idx=req.slot)
     req.host_copy = None
     return True

@@ -20,12 +20,13 @@ from .prefix import (Agreement, CommitPlan, FilePageStore, HostPageStore, PageFi
 from .req_to_token_pool import ReqToTokenPool
 from .swa_allocator import SWATokenToKVPoolAllocator
 from .swa_loc_cache import StaleSwaLocError, SwaLocCache, SwaLocStats
+from .swa_window import pages_out_of_window
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __all__ = [
     "envs",
-    "PagedAllocator", "SWATokenToKVPoolAllocator",
+    "PagedAllocator", "SWATokenToKVPoolAllocator", "pages_out_of_window",
     "KVCacheSpec", "CacheFootprint", "footprint",
     "DeepSeekV4TokenToKVPool", "create_dsv4_kv_cache", "ReqToTokenPool",
     "SwaLocCache", "SwaLocStats", "StaleSwaLocError", "KVHostCopy",

@@ -1,7 +1,8 @@
 """Disaggregated decode: preallocating a transferred request's KV on the decode side.
 
 The decode side receives the whole prompt's compressed KV (full pool) but only the sliding
-window's SWA KV, so only the SWA tail is preallocated:
+window's SWA KV, so only the SWA tail is preallocated: the positions after the pages that left
+the window (`pages_out_of_window`),
 
     tail = seq_len - floor_to_page(max(0, seq_len - window))
 
@@ -14,26 +15,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
-def _check_lens(seq_len: int, window: int, page_size: int) -> None:
-    for name, value, low in (("seq_len", seq_len, 0), ("window", window, 1),
-                             ("page_size", page_size, 1)):
-        if value < low:
-            raise ValueError(f"{name} must be >= {low}, got {value}")
-
-
-def floor_to_page(n: int, page_size: int) -> int:
-    return n // page_size * page_size
-
-
-def ceil_to_page(n: int, page_size: int) -> int:
-    return -(-n // page_size) * page_size
+from .paged_allocator import ceil_div
+from .swa_window import pages_out_of_window
 
 
 def swa_tail_len(seq_len: int, window: int, page_size: int) -> int:
     """SWA tokens to preallocate for a request of seq_len tokens."""
-    _check_lens(seq_len, window, page_size)
-    return seq_len - floor_to_page(max(0, seq_len - window), page_size)
+    return seq_len - pages_out_of_window(seq_len, window, page_size) * page_size
 
 
 @dataclass(frozen=True)
@@ -43,7 +31,8 @@ class PreallocLens:
 
     def charge(self, page_size: int) -> tuple[int, int]:
         """(full, SWA) tokens the allocator takes: whole pages on both sides."""
-        return ceil_to_page(self.full_len, page_size), ceil_to_page(self.swa_len, page_size)
+        return (ceil_div(self.full_len, page_size) * page_size,
+                ceil_div(self.swa_len, page_size) * page_size)
 
 
 def prealloc_kv_lens(seq_len: int, window: int, page_size: int) -> PreallocLens:

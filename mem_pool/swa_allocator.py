@@ -16,6 +16,7 @@ import torch
 
 from .loc_checks import host_int64, whole_pages
 from .paged_allocator import PagedAllocator, ceil_div, check_need_size, plan_decode, plan_extend
+from .swa_window import pages_out_of_window
 
 logger = logging.getLogger(__name__)
 
@@ -193,12 +194,10 @@ class SWATokenToKVPoolAllocator:
         self._mapping_changed()
 
     def free_swa_out_of_window(self, req_full_loc, seq_len: int, window: int) -> int:
-        """Free the SWA pages of a request's positions that left the window for good: the whole
-        pages before floor_to_page(seq_len - window). req_full_loc holds the request's full
-        locations by position (at least that many). Returns the number of SWA pages freed."""
-        if window < 1:
-            raise ValueError(f"window must be >= 1, got {window}")
-        n = max(0, seq_len - window) // self.page_size * self.page_size
+        """Free the SWA pages of the request's pages that left the window for good
+        (`pages_out_of_window`). req_full_loc holds the request's full locations by position (at
+        least those pages' positions). Returns the number of SWA pages freed."""
+        n = pages_out_of_window(seq_len, window, self.page_size) * self.page_size
         locs = host_int64("req_full_loc", req_full_loc)
         if n == 0:
             return 0

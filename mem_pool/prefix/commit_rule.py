@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+from ..swa_window import pages_out_of_window
+
 
 def _check_positive(name: str, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -25,10 +27,12 @@ def _check_positive(name: str, value: int) -> None:
 
 
 def swa_window_pages(commit_tokens: int, page_size: int, window: int) -> range:
-    """The pages overlapping [max(0, commit_tokens - window), commit_tokens)."""
+    """The pages overlapping [max(0, commit_tokens - window), commit_tokens): from the first
+    page that has not left the window to the last page holding a committed position."""
     if commit_tokens <= 0:
         return range(0)
-    return range(max(0, commit_tokens - window) // page_size, -(-commit_tokens // page_size))
+    return range(pages_out_of_window(commit_tokens, window, page_size),
+                 -(-commit_tokens // page_size))
 
 
 @dataclass(frozen=True)
