@@ -1,5 +1,8 @@
 """Kernels of the DeepSeek-V4 decode backend: torch references, Triton kernels and HIP C++ for the
-set-KV family (`set_kv`), and mHC's split with its Sinkhorn normalisation (`mhc_split`).
+set-KV family (`set_kv`), mHC's split with its Sinkhorn normalisation (`mhc_split`), the sparse
+decode attention (`decode_attention`) and the indexer's scores (`indexer_scores`), each a
+dispatcher op of the `dsv4` library (`library`). Every op takes its choices as values:
+`options` (a `KernelOptions`: backend, host checks, aiter) and its numerics.
 
 This package imports only torch (triton and compiled extensions are imported lazily inside the
 functions that need them), so ``import hip_kernels`` works on a machine without triton.
@@ -8,8 +11,13 @@ functions that need them), so ``import hip_kernels`` works on a machine without 
 import logging
 
 from . import envs, platform
-from .kv_layout import (DEFAULT_NUMERICS, StoreNumerics, dequantize_kv_rows, indexer_page_bytes,
-                        page_bytes, quantize_kv_rows, read_indexer_rows, read_kv_rows)
+from .decode_attention import sparse_decode_attention
+from .indexer_scores import indexer_scores
+from .kv_layout import (dequantize_kv_rows, indexer_page_bytes, page_bytes, quantize_kv_rows,
+                        read_indexer_rows, read_kv_rows)
+from .mhc_split import hc_split
+from .numerics import DEFAULT_NUMERICS, REFERENCE_NUMERICS, StoreNumerics
+from .options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 from .platform import fp8_dialect
 from .set_kv import (fused_k_norm_rope_store, fused_store_cache, fused_translate_norm_rope_store,
                      indexer_store, store_kv_pack)
@@ -17,9 +25,10 @@ from .set_kv import (fused_k_norm_rope_store, fused_store_cache, fused_translate
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __all__ = [
-    "envs", "platform", "fp8_dialect", "StoreNumerics", "DEFAULT_NUMERICS",
+    "envs", "platform", "fp8_dialect", "KernelOptions", "DEFAULT_KERNEL_OPTIONS",
+    "StoreNumerics", "DEFAULT_NUMERICS", "REFERENCE_NUMERICS",
     "page_bytes", "indexer_page_bytes", "quantize_kv_rows", "dequantize_kv_rows", "read_kv_rows",
     "read_indexer_rows",
     "fused_k_norm_rope_store", "fused_store_cache", "store_kv_pack", "indexer_store",
-    "fused_translate_norm_rope_store",
+    "fused_translate_norm_rope_store", "hc_split", "sparse_decode_attention", "indexer_scores",
 ]

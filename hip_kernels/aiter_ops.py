@@ -2,10 +2,12 @@
 
 aiter is never required: every op here has a torch path, the code the model ran before, and that
 path runs whenever aiter is not used (the MoE gate's torch path is the gate's own math in
-``dsv4.layers.moe``: ``moe_gate`` returns None for a call aiter does not take). ``DSV4_AITER`` picks the policy:
+``dsv4.layers.moe``: ``moe_gate`` returns None for a call aiter does not take). The policy is
+``KernelOptions.aiter`` (``DSV4_AITER``), each op's ``options`` argument, with the numerics mode
+(``numerics``, one of ``numerics.MODES``) the op's caller runs:
 
 - ``auto`` (the default): aiter runs an op only when aiter is importable, the op's tensors are on
-  a ROCm GPU, and ``DSV4_NUMERICS=fp32``. aiter's kernels do not reproduce the reference code's
+  a ROCm GPU, and the numerics mode is ``fp32``. aiter's kernels do not reproduce the reference code's
   bits (a top-k breaks ties in its own order; aiter's other kernels round differently), so in the
   default ``reference`` numerics auto keeps the bit-exact torch path.
 - ``1``: aiter runs every op it provides, whatever the numerics mode and whatever the tensors'
@@ -43,7 +45,10 @@ from dataclasses import dataclass
 
 import torch
 
-from . import envs, numerics, platform
+from . import platform
+from .checks import check_options
+from .numerics import check_mode
+from .options import AITER_MODES, DEFAULT_KERNEL_OPTIONS, KernelOptions
 
 logger = logging.getLogger(__name__)
 
@@ -122,22 +127,25 @@ def probe() -> AiterProbe:
     return result
 
 
-def use_aiter(op: str, *tensors: torch.Tensor) -> bool:
-    """Whether the policy sends this call of ``op`` (a key of DISPATCHED) to aiter."""
+def use_aiter(op: str, *tensors: torch.Tensor, aiter: str, numerics: str) -> bool:
+    """Whether the policy ``aiter`` (auto|0|1) sends this call of ``op`` (a key of DISPATCHED)
+    to aiter, for a caller running numerics mode ``numerics`` (reference|fp32)."""
     if op not in DISPATCHED:
         raise ValueError(f"op={op!r}: expected one of {sorted(DISPATCHED)}")
-    mode = envs.AITER.get()
-    if mode == "0":
+    if aiter not in AITER_MODES:
+        raise ValueError(f"aiter={aiter!r}: expected one of {'|'.join(AITER_MODES)}")
+    check_mode(numerics)
+    if aiter == "0":
         return False
-    if mode == "1":
+    if aiter == "1":
         found = probe()
         if not found.importable:
             raise AiterUnavailableError(
-                f"DSV4_AITER=1 but aiter cannot be imported ({found.error}); install aiter "
-                "(ROCm only) or set DSV4_AITER=auto or 0")
+                f"aiter=1 (DSV4_AITER=1) but aiter cannot be imported ({found.error}); install "
+                "aiter (ROCm only) or use aiter auto or 0")
         return found.has(op)
     # auto: the cheap conditions first, so a CPU run or the reference numerics never import aiter
-    if numerics.mode() != "fp32" or platform.backend() != "rocm":
+    if numerics != "fp32" or platform.backend() != "rocm":
         return False
     if not all(t.device.type == "cuda" for t in tensors):
         return False
@@ -163,16 +171,21 @@ def _topk_aiter(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     return vals, ids.long().gather(-1, order)
 
 
-def topk_rows(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_rows(scores: torch.Tensor, k: int, *, numerics: str = "reference",
+              options: KernelOptions = DEFAULT_KERNEL_OPTIONS
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest entries of each row of scores [N, T], like ``scores.topk(k, dim=-1)``:
-    (values [N, k] in scores' dtype, descending; int64 indices [N, k]). On aiter, equal values
-    may come in another order than torch's (torch leaves that order unspecified too)."""
+    (values [N, k] in scores' dtype, descending; int64 indices [N, k]). On aiter (as
+    options.aiter and numerics allow), equal values may come in another order than torch's
+    (torch leaves that order unspecified too)."""
+    check_options(options)
     if not isinstance(scores, torch.Tensor) or scores.dim() != 2:
         raise ValueError(f"scores: expected a 2-D tensor [N, T], got "
                          f"{getattr(scores, 'shape', type(scores).__name__)}")
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= scores.shape[1]:
         raise ValueError(f"k={k!r}: expected an int in [0, {scores.shape[1]}] (the row length)")
-    if use_aiter("topk_rows", scores) and _topk_supported(scores, k):
+    if (use_aiter("topk_rows", scores, aiter=options.aiter, numerics=numerics)
+            and _topk_supported(scores, k)):
         return _topk_aiter(scores, k)
     return _topk_torch(scores, k)
 
@@ -187,11 +200,15 @@ def _moe_gate_aiter(logits, bias, k, route_scale, score_func):
 
 
 def moe_gate(logits: torch.Tensor, bias: torch.Tensor, k: int, route_scale: float,
-             score_func: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+             score_func: str, *, numerics: str = "reference",
+             options: KernelOptions = DEFAULT_KERNEL_OPTIONS
+             ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The routing of a biased MoE gate on aiter: scores = score_func(logits [N, E] fp32), the k
     experts of largest scores + bias [E], their scores renormalised (not after softmax) times
     route_scale. (weights fp32 [N, k], expert indices int64 [N, k]), or None when the policy
-    keeps this call on torch: the caller then runs its own gate math (``dsv4.layers.moe``)."""
+    keeps this call on torch (options.aiter and numerics decide): the caller then runs its own
+    gate math (``dsv4.layers.moe``)."""
+    check_options(options)
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.dtype != torch.float32:
         raise ValueError(f"logits: expected an fp32 tensor [N, E], got "
                          f"{getattr(logits, 'dtype', type(logits).__name__)} "
@@ -203,6 +220,7 @@ def moe_gate(logits: torch.Tensor, bias: torch.Tensor, k: int, route_scale: floa
         raise ValueError(f"k={k!r}: expected an int in [1, {logits.shape[1]}] (the experts)")
     if score_func not in SCORE_FUNCS:
         raise ValueError(f"score_func={score_func!r}: expected one of {SCORE_FUNCS}")
-    if logits.shape[0] and use_aiter("moe_gate", logits, bias):
+    if logits.shape[0] and use_aiter("moe_gate", logits, bias, aiter=options.aiter,
+                                     numerics=numerics):
         return _moe_gate_aiter(logits, bias, k, route_scale, score_func)
     return None

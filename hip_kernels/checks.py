@@ -9,9 +9,9 @@ from typing import Iterator
 
 import torch
 
-from . import envs
 from .capture import is_capturing
 from .kv_layout import TOKEN_BYTES, page_bytes
+from .options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 
 LOC_DTYPES = (torch.int32, torch.int64)
 
@@ -91,32 +91,41 @@ def trusted_locations() -> Iterator[None]:
         _trust.depth = depth
 
 
-def value_checks_enabled() -> bool:
+def value_checks_enabled(options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> bool:
     """Range checks read tensor values on the host: skipped inside graph capture, inside
-    `trusted_locations()`, and when DSV4_KERNEL_VALUE_CHECKS=0 (eager decode on a GPU then
+    `trusted_locations()`, and when options.value_checks is False (eager decode on a GPU then
     avoids one sync per op)."""
     return (not getattr(_trust, "depth", 0) and not is_capturing()
-            and envs.VALUE_CHECKS.get())
+            and options.value_checks)
 
 
-def check_finite(name: str, t: torch.Tensor) -> None:
-    """With DSV4_REFUSE_NONFINITE_KV=1, refuse a NaN or inf in t [N, ...] (one host read;
+def check_finite(name: str, t: torch.Tensor,
+                 options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> None:
+    """With options.refuse_nonfinite, refuse a NaN or inf in t [N, ...] (one host read;
     skipped inside graph capture, where such input is stored poisoned)."""
-    if t.numel() == 0 or is_capturing() or not envs.REFUSE_NONFINITE_KV.get():
+    if t.numel() == 0 or is_capturing() or not options.refuse_nonfinite:
         return
     bad_rows = ~torch.isfinite(t).reshape(t.shape[0], -1).all(dim=1)
     first = torch.where(bad_rows, torch.arange(t.shape[0], device=t.device), t.shape[0]).min()
     row = int(first)
     if row < t.shape[0]:
-        raise ValueError(f"{name} row {row} holds a NaN or inf (DSV4_REFUSE_NONFINITE_KV=1 "
-                         "refuses non-finite K/V; with 0 it is stored as NaN bytes)")
+        raise ValueError(f"{name} row {row} holds a NaN or inf (refuse_nonfinite=True refuses "
+                         "non-finite K/V; with False it is stored as NaN bytes)")
 
 
-def check_locations(name: str, loc, n: int, capacity: int, device) -> None:
+def check_options(options) -> KernelOptions:
+    if not isinstance(options, KernelOptions):
+        raise TypeError(f"options must be a hip_kernels.KernelOptions, got "
+                        f"{type(options).__name__}")
+    return options
+
+
+def check_locations(name: str, loc, n: int, capacity: int, device,
+                    options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> None:
     """loc: [n] int32/int64 on device; values < capacity (negative = skip), no slot >= 1 twice.
     The value checks need one host sync: see value_checks_enabled()."""
     check_tensor(name, loc, dtypes=LOC_DTYPES, shape=(n,), device=device)
-    if n and value_checks_enabled():
+    if n and value_checks_enabled(options):
         check_slot_values(name, loc, capacity)
 
 

@@ -29,12 +29,13 @@ import math
 
 import torch
 
-from . import kv_layout, set_kv_ops  # noqa: F401  (set_kv_ops defines the library first)
+from . import kv_layout
 from .backend import resolve
-from .checks import check_cache, check_page_size, check_tensor
+from .checks import check_cache, check_options, check_page_size, check_tensor
+from .library import define_op, ops
+from .options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 from .platform import DIALECTS, fp8_dialect
 
-LIBRARY = "dsv4"
 OP = "sparse_decode_attention"
 ATTN_BLOCK = 64   # rows per block of the reference's sparse attention kernel
 
@@ -105,6 +106,8 @@ def _impl(q, swa_cache, window_loc, window_valid, swa_page_size, comp_cache, com
     d = DIALECTS[dialect]
     if backend == "triton":
         from .decode_attention_triton import sparse_decode_attention_triton
+        if reference:   # the kernel walks the rows in the order given
+            window_loc, window_valid = reference_order(window_loc, window_valid)
         return sparse_decode_attention_triton(q, swa_cache, window_loc, window_valid,
                                               swa_page_size, comp_cache, comp_loc, comp_valid,
                                               comp_page_size, sink, scale, reference, d)
@@ -123,18 +126,10 @@ def _fake(q, *args):
     return torch.empty_like(q)
 
 
-def _register() -> torch.library.Library:
-    lib = torch.library.Library(LIBRARY, "FRAGMENT")
-    lib.define(f"{OP}(Tensor q, Tensor swa_cache, Tensor window_loc, Tensor window_valid, "
-               "int swa_page_size, Tensor? comp_cache, Tensor? comp_loc, Tensor? comp_valid, "
-               "int comp_page_size, Tensor sink, float scale, bool reference, str backend, "
-               "str dialect) -> Tensor")
-    lib.impl(OP, _impl, "CompositeExplicitAutograd")
-    lib.impl(OP, _fake, "Meta")
-    return lib
-
-
-_LIB = _register()
+define_op(OP, "(Tensor q, Tensor swa_cache, Tensor window_loc, Tensor window_valid, "
+          "int swa_page_size, Tensor? comp_cache, Tensor? comp_loc, Tensor? comp_valid, "
+          "int comp_page_size, Tensor sink, float scale, bool reference, str backend, "
+          "str dialect) -> Tensor", _impl, _fake)
 
 
 def _check_cache(prefix: str, cache, page_size, device) -> None:
@@ -146,12 +141,15 @@ def sparse_decode_attention(q: torch.Tensor, swa_cache: torch.Tensor, window_loc
                             window_valid: torch.Tensor, swa_page_size: int,
                             comp_cache: torch.Tensor | None, comp_loc: torch.Tensor | None,
                             comp_valid: torch.Tensor | None, comp_page_size: int,
-                            sink: torch.Tensor, scale: float, reference: bool) -> torch.Tensor:
+                            sink: torch.Tensor, scale: float, reference: bool, *,
+                            options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
     """o [N, H, 512] in q's dtype: q [N, H, 512] (bf16) attending its window rows (SWA cache
     slots window_loc [N, W], valid [N, W]) and compressed rows (comp_loc [N, K] of comp_cache,
     valid [N, K]; comp_cache None: no compressed segment), sink [H] fp32. Invalid rows are
     never read (their loc is 0 by convention); every query must have a valid row (its own
-    window slot does)."""
+    window slot does). reference: DeepSeek-V4's reference numerics (see above); options picks
+    the backend."""
+    check_options(options)
     dev = q.device
     check_tensor("q", q, dtypes=(torch.bfloat16, torch.float32),
                  shape=(None, None, kv_layout.HEAD_DIM))
@@ -172,9 +170,9 @@ def sparse_decode_attention(q: torch.Tensor, swa_cache: torch.Tensor, window_loc
     check_tensor("sink", sink, dtype=torch.float32, shape=(h,), device=dev)
     if not isinstance(reference, bool):
         raise TypeError(f"reference must be a bool, got {reference!r}")
-    return torch.ops.dsv4.sparse_decode_attention(
+    return ops.sparse_decode_attention(
         q.contiguous(), swa_cache, window_loc.contiguous(), window_valid.contiguous(),
         swa_page_size, comp_cache, None if comp_loc is None else comp_loc.contiguous(),
         None if comp_valid is None else comp_valid.contiguous(),
         comp_page_size if comp_cache is not None else 1, sink.contiguous(), float(scale),
-        bool(reference), resolve(OP, dev), fp8_dialect().name)
+        bool(reference), resolve(OP, dev, options.backend), fp8_dialect().name)

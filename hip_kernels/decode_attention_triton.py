@@ -11,7 +11,7 @@ updates the running max, the denominator and four [BLOCK_H, 128] accumulators.
 
 REFERENCE (DeepSeek-V4's reference numerics): the running max starts at -inf and leaves the
 sink out, p is rounded to bf16 for p . tile (the denominator sums it unrounded), the sink joins
-the denominator after the last block; the launcher puts the valid window rows first. Without it
+the denominator after the last block; the caller puts the valid window rows first. Without it
 (fp32 numerics) the running max starts at the sink and the denominator at 1: the same value as
 one softmax over the rows and the sink.
 
@@ -30,7 +30,6 @@ import triton
 import triton.language as tl
 
 from . import kv_layout as L
-from .decode_attention import reference_order
 from .triton_kv_row import (HEAD_DIM, NOPE_DIM, TILE, UE8M0_BIAS, fp8_type, kv_scale_offset,
                             kv_value_offset)
 
@@ -185,13 +184,13 @@ def sparse_decode_attention_kernel(
 def sparse_decode_attention_triton(q, swa_cache, window_loc, window_valid, swa_page_size,
                                    comp_cache, comp_loc, comp_valid, comp_page_size, sink, scale,
                                    reference, dialect) -> torch.Tensor:
-    """o [N, H, 512] (checked arguments; see `decode_attention.sparse_decode_attention`)."""
+    """o [N, H, 512] (checked arguments; see `decode_attention.sparse_decode_attention`; with
+    reference, the valid window rows come first, as `decode_attention.reference_order` puts
+    them)."""
     n, n_heads = q.shape[:2]
     out = torch.empty_like(q)
     if n == 0:
         return out
-    if reference:
-        window_loc, window_valid = reference_order(window_loc, window_valid)
     if comp_cache is None:   # an empty segment: any tensor stands for its pointers
         comp_cache, comp_loc, comp_valid = swa_cache, window_loc[:, :0], window_valid[:, :0]
         comp_page_size = swa_page_size

@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import torch
 
-from . import kv_layout, set_kv_ops  # noqa: F401  (set_kv_ops defines the library first)
+from . import kv_layout
 from .backend import resolve
-from .checks import check_cache, check_page_size, check_tensor, value_checks_enabled
+from .checks import (check_cache, check_options, check_page_size, check_tensor,
+                     value_checks_enabled)
+from .library import define_op, ops
+from .options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 from .platform import DIALECTS, fp8_dialect
 
-LIBRARY = "dsv4"
 OP = "indexer_scores"
 Q_DTYPES = (torch.float32, torch.bfloat16)
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
@@ -54,26 +56,11 @@ def _fake(q, weights, cache, loc, valid, page_size, backend, dialect):
     return weights.new_empty(loc.shape)
 
 
-def _register() -> torch.library.Library:
-    lib = torch.library.Library(LIBRARY, "FRAGMENT")
-    lib.define(f"{OP}(Tensor q, Tensor weights, Tensor cache, Tensor loc, Tensor valid, "
-               "int page_size, str backend, str dialect) -> Tensor")
-    lib.impl(OP, _impl, "CompositeExplicitAutograd")
-    lib.impl(OP, _fake, "Meta")
-    return lib
+define_op(OP, "(Tensor q, Tensor weights, Tensor cache, Tensor loc, Tensor valid, "
+          "int page_size, str backend, str dialect) -> Tensor", _impl, _fake)
 
 
-_LIB = _register()
-
-
-def backend_for(device: torch.device) -> str:
-    """As the set-KV ops without a HIP version: Triton for GPU tensors, the torch reference on a
-    CPU; DSV4_KERNEL_BACKEND=torch forces the reference, =triton forces Triton (on a CPU only
-    under TRITON_INTERPRET=1), =hip runs Triton where it can."""
-    return resolve(OP, device)
-
-
-def _check_args(q, weights, cache, loc, valid, page_size) -> None:
+def _check_args(q, weights, cache, loc, valid, page_size, options) -> None:
     check_tensor("q", q, dtypes=Q_DTYPES, shape=(None, None, kv_layout.INDEX_DIM))
     n, heads = q.shape[:2]
     dev = q.device
@@ -82,7 +69,7 @@ def _check_args(q, weights, cache, loc, valid, page_size) -> None:
     check_cache("cache", cache, kv_layout.indexer_page_bytes(page_size), page_size, dev)
     check_tensor("loc", loc, dtypes=(torch.int64, torch.int32), shape=(n, None), device=dev)
     check_tensor("valid", valid, dtype=torch.bool, shape=tuple(loc.shape), device=dev)
-    if loc.numel() and value_checks_enabled():
+    if loc.numel() and value_checks_enabled(options):
         capacity = cache.shape[0] * page_size
         lo, hi = torch.stack(torch.where(valid, loc, 0).aminmax()).tolist()
         if lo < 0 or hi >= capacity:
@@ -91,7 +78,8 @@ def _check_args(q, weights, cache, loc, valid, page_size) -> None:
 
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor,
-                   valid: torch.Tensor, page_size: int) -> torch.Tensor:
+                   valid: torch.Tensor, page_size: int, *,
+                   options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
     """Scores [N, C] in weights' dtype of queries q [N, Hi, 128] (fp32 or bf16) with per-head
     weights [N, Hi] (bf16: reference numerics; fp32: fp32 numerics) against the indexer keys at
     loc [N, C] (int64 or int32) of cache (uint8 [pages, indexer_page_bytes(page_size)]).
@@ -99,9 +87,11 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, 
     convention).
 
     The valid locations are range-checked on the host (one read) unless value checks are off
-    (inside graph capture, `trusted_locations()`, DSV4_KERNEL_VALUE_CHECKS=0); the Triton
-    kernel then scores a valid location outside the cache NaN, never reading past it."""
-    _check_args(q, weights, cache, loc, valid, page_size)
-    return torch.ops.dsv4.indexer_scores(q.contiguous(), weights.contiguous(), cache,
-                                         loc.contiguous(), valid.contiguous(), page_size,
-                                         backend_for(q.device), fp8_dialect().name)
+    (inside graph capture, `trusted_locations()`, options.value_checks False); the Triton
+    kernel then scores a valid location outside the cache NaN, never reading past it. The
+    backend: options.backend (no HIP version: hip runs Triton where it can)."""
+    check_options(options)
+    _check_args(q, weights, cache, loc, valid, page_size, options)
+    return ops.indexer_scores(q.contiguous(), weights.contiguous(), cache, loc.contiguous(),
+                              valid.contiguous(), page_size, resolve(OP, q.device, options.backend),
+                              fp8_dialect().name)

@@ -11,25 +11,29 @@ For each row of mixes [N, (2 + hc) * hc] (fp32), with scale [3] and base [(2 + h
 The torch reference runs these as ~120 small ops per call (the loop is sequential); the Triton
 kernel (`mhc_split_triton`, one program per block of rows, everything in registers) runs them
 as one launch. Both compute in fp32 in the same order; exp and division may differ in the last
-bit between torch and Triton, so they agree to ~1e-6 relative, not bit for bit.
+bit between torch and Triton, so they agree to ~1e-6 relative, not bit for bit. `reference`
+(DeepSeek-V4's reference numerics) is an argument of the op, so a recorded call replays the same
+math.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import envs, numerics, set_kv_ops  # noqa: F401  (set_kv_ops defines the library first)
-from .backend import BackendUnavailable, triton_usable
+from .backend import resolve
+from .checks import check_options
+from .library import define_op, ops
+from .options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 
-LIBRARY = "dsv4"
+OP = "hc_split"
 
 
-def sinkhorn_ref(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+def sinkhorn_ref(comb: torch.Tensor, iters: int, eps: float, reference: bool) -> torch.Tensor:
     """Row softmax, then alternate column / row normalisation, ending on the columns. With
-    DSV4_NUMERICS=reference the softmax is written out, exp(c - max) / sum, a true division as
+    reference (numerics) the softmax is written out, exp(c - max) / sum, a true division as
     the reference (and the Triton kernel) computes it; fp32 keeps torch's softmax, which
     multiplies by the reciprocal (about a quarter of values 1 ulp apart)."""
-    if numerics.is_reference():
+    if reference:
         e = torch.exp(comb - comb.amax(-1, keepdim=True))
         c = e / e.sum(-1, keepdim=True) + eps
     else:
@@ -42,57 +46,41 @@ def sinkhorn_ref(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 
 
 def hc_split_ref(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int,
-                 iters: int, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 iters: int, eps: float,
+                 reference: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     pre = torch.sigmoid(mixes[..., :hc] * scale[0] + base[:hc]) + eps
     post = 2 * torch.sigmoid(mixes[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
     comb = mixes[..., 2 * hc:].unflatten(-1, (hc, hc)) * scale[2] + base[2 * hc:].view(hc, hc)
-    return pre, post, sinkhorn_ref(comb, iters, eps)
+    return pre, post, sinkhorn_ref(comb, iters, eps, reference)
 
 
-def _impl(mixes, scale, base, hc, iters, eps, backend):
-    if backend == "triton":
+def _impl(mixes, scale, base, hc, iters, eps, reference, backend):
+    if backend == "triton":   # its softmax is the true division in both numerics
         from .mhc_split_triton import hc_split_triton
         return hc_split_triton(mixes, scale, base, hc, iters, eps)
-    return hc_split_ref(mixes, scale, base, hc, iters, eps)
+    return hc_split_ref(mixes, scale, base, hc, iters, eps, reference)
 
 
-def _fake(mixes, scale, base, hc, iters, eps, backend):
+def _fake(mixes, scale, base, hc, iters, eps, reference, backend):
     n = mixes.shape[0]
     return (mixes.new_empty(n, hc), mixes.new_empty(n, hc), mixes.new_empty(n, hc, hc))
 
 
-def _register() -> torch.library.Library:
-    lib = torch.library.Library(LIBRARY, "FRAGMENT")
-    lib.define("hc_split(Tensor mixes, Tensor scale, Tensor base, int hc, int iters, float eps, "
-               "str backend) -> (Tensor, Tensor, Tensor)")
-    lib.impl("hc_split", _impl, "CompositeExplicitAutograd")
-    lib.impl("hc_split", _fake, "Meta")
-    return lib
-
-
-_LIB = _register()
-
-
-def backend_for(device: torch.device, hc: int) -> str:
-    """Like the set-KV ops (no HIP C++ version): Triton for GPU tensors, the torch reference on a
-    CPU; DSV4_KERNEL_BACKEND=torch forces the reference, =triton forces Triton (on a CPU only
-    under TRITON_INTERPRET=1). An hc that is not a power of two (Triton block shapes must be)
-    runs the reference."""
-    choice = envs.KERNEL_BACKEND.get()
-    if choice == "torch" or hc & (hc - 1):
-        return "torch"
-    if choice == "triton" and not triton_usable(device):
-        raise BackendUnavailable(
-            f"DSV4_KERNEL_BACKEND=triton needs triton and a GPU tensor (got device {device}); "
-            "on a CPU set TRITON_INTERPRET=1 before triton is first imported")
-    if choice == "triton" or (device.type == "cuda" and triton_usable(device)):
-        return "triton"
-    return "torch"
+define_op(OP, "(Tensor mixes, Tensor scale, Tensor base, int hc, int iters, float eps, "
+          "bool reference, str backend) -> (Tensor, Tensor, Tensor)", _impl, _fake)
 
 
 def hc_split(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,
-             eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(pre [N, hc], post [N, hc], comb [N, hc, hc]) fp32 from fp32 mixes [N, (2 + hc) * hc]."""
+             eps: float, *, reference: bool = True,
+             options: KernelOptions = DEFAULT_KERNEL_OPTIONS
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pre [N, hc], post [N, hc], comb [N, hc, hc]) fp32 from fp32 mixes [N, (2 + hc) * hc].
+    reference: DeepSeek-V4's reference numerics (see `sinkhorn_ref`). options.backend picks the
+    backend (no HIP version: hip runs Triton where it can); an hc that is not a power of two
+    (Triton block shapes must be) runs the torch reference."""
+    check_options(options)
+    if not isinstance(reference, bool):
+        raise TypeError(f"reference must be a bool, got {reference!r}")
     width = (2 + hc) * hc
     if mixes.dim() != 2 or mixes.shape[1] != width or mixes.dtype != torch.float32:
         raise ValueError(f"mixes must be fp32 [N, {width}] for hc={hc}, got {mixes.dtype} "
@@ -102,5 +90,6 @@ def hc_split(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: i
                          f"{tuple(base.shape)}")
     if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
         raise ValueError(f"iters must be an int >= 1, got {iters!r}")
-    return torch.ops.dsv4.hc_split(mixes.contiguous(), scale.float(), base.float(), hc, iters,
-                                   float(eps), backend_for(mixes.device, hc))
+    backend = resolve(OP, mixes.device, options.backend, triton_ok=not hc & (hc - 1))
+    return ops.hc_split(mixes.contiguous(), scale.float(), base.float(), hc, iters, float(eps),
+                        reference, backend)

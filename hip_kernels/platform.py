@@ -20,6 +20,10 @@ logger = logging.getLogger(__name__)
 FNUZ_ARCHS = ("gfx940", "gfx941", "gfx942")
 
 
+class BackendUnavailable(RuntimeError):
+    """A kernel backend that was asked for cannot run on this platform."""
+
+
 @dataclass(frozen=True)
 class Fp8Dialect:
     name: str            # "fnuz" | "ocp"

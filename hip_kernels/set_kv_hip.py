@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from .kv_layout import DEFAULT_NUMERICS, StoreNumerics
-from .platform import Fp8Dialect
+from .numerics import DEFAULT_NUMERICS, StoreNumerics
+from .platform import BackendUnavailable, Fp8Dialect
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("set_kv_binding.cpp", "set_kv_kernels.cu")
@@ -97,8 +97,6 @@ def available() -> bool:
 def _ops():
     reason = unavailable_reason()
     if reason:
-        from .backend import BackendUnavailable
-
         raise BackendUnavailable(f"the HIP set-KV extension cannot run here: {reason}")
     return _state["ops"]
 

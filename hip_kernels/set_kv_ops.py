@@ -1,22 +1,16 @@
-"""The set-KV family as dispatcher ops (`torch.ops.dsv4.*`), one per call whatever backend runs.
-
-What a GPU launches once is one op to the dispatcher too: graph capture (a real one, or the CPU
-emulation that records dispatcher ops) records it as one node, `torch.compile` sees one opaque
-mutating op (a fake implementation gives its output-free signature), and op counters count one.
-The ops take already checked arguments (see `set_kv`, the public entry points, which check and
-resolve the backend on the host first): the backend name, the fp8 dialect name and the
-`StoreNumerics` fields are plain arguments, so a recorded call replays the same kernel.
+"""The set-KV family as dispatcher ops (`torch.ops.dsv4.*`, see `library`), one per call whatever
+backend runs. The ops take already checked arguments (see `set_kv`, the public entry points,
+which check and resolve the backend on the host first): the backend name, the fp8 dialect name
+and the `StoreNumerics` fields are plain arguments, so a recorded call replays the same kernel.
+The ops only write their mutated arguments: they return nothing.
 """
 
 from __future__ import annotations
 
-import torch
-
-from .backend import implementation
-from .kv_layout import StoreNumerics
+from .library import define_op, ops
+from .numerics import StoreNumerics
 from .platform import DIALECTS
 
-LIBRARY = "dsv4"
 NUMERICS_ARGS = ("bool round_to_bf16, float? fp8_max, float amax_floor, str q_mode, "
                  "str rms=\"exact\"")
 SCHEMAS = {
@@ -38,6 +32,17 @@ SCHEMAS = {
         "Tensor full_loc, Tensor full_to_swa, Tensor(a!) cache, int page_size, "
         f"Tensor(b!)? swa_loc_out, Tensor(c!)? q, str backend, str dialect, {NUMERICS_ARGS}"),
 }
+
+
+def implementation(backend_name: str):
+    """The module holding the set-KV ops of a backend."""
+    if backend_name == "torch":
+        from . import set_kv_ref as mod
+    elif backend_name == "triton":
+        from . import set_kv_triton as mod
+    else:
+        from . import set_kv_hip as mod
+    return mod
 
 
 def numerics_args(numerics: StoreNumerics) -> tuple:
@@ -87,18 +92,12 @@ IMPLS = {"fused_k_norm_rope_store": _fused_k_norm_rope_store,
 
 
 def _no_output(*args, **kwargs) -> None:
-    """The fake (meta) implementation: the ops only write their mutated arguments."""
     return None
 
 
-def _register() -> torch.library.Library:
-    lib = torch.library.Library(LIBRARY, "DEF")
+def _define_ops() -> None:
     for name, args in SCHEMAS.items():
-        lib.define(f"{name}({args}) -> ()")
-        lib.impl(name, IMPLS[name], "CompositeExplicitAutograd")
-        lib.impl(name, _no_output, "Meta")
-    return lib
+        define_op(name, f"({args}) -> ()", IMPLS[name], _no_output)
 
 
-_LIB = _register()
-ops = getattr(torch.ops, LIBRARY)
+_define_ops()

@@ -9,7 +9,7 @@ Numerics every backend reproduces (so fused and unfused paths write identical by
   bf16 values, rounded to bf16.
 - FP8 quantization of the bf16 nope dims as in `kv_layout.quantize_kv_rows`.
 
-`kv_layout.StoreNumerics` changes these points explicitly (a host engine's own writer):
+`numerics.StoreNumerics` changes these points explicitly (a host engine's own writer):
 without the bf16 rounding the normed row stays fp32 through RoPE and quantization; q_mode says
 what a fused q gets (see StoreNumerics). weight None: kv arrives normalized, only RoPE'd.
 """
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from . import kv_layout as L
-from .kv_layout import DEFAULT_NUMERICS, StoreNumerics
+from .numerics import DEFAULT_NUMERICS, StoreNumerics
 from .platform import Fp8Dialect
 
 

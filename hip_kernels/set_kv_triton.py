@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from . import kv_layout as L
-from .kv_layout import DEFAULT_NUMERICS
+from .numerics import DEFAULT_NUMERICS, Q_MODES
 from .triton_kv_row import (AMAX_FLOOR, FP32_NAN, INDEX_DIM, INDEX_POW2_AMAX_FLOOR,
                             LAUNCH_OPTIONS, N_TILES, NOPE_DIM, SCALE_BYTES, bf16_rms_inverse,
                             canonical_nan_bf16, fp8_constexprs, indexer_offsets, is_finite,
@@ -134,7 +134,7 @@ def _launch_norm_rope(kv, weight, eps, freqs_cis, positions, loc, full_to_swa, s
         **fp8_constexprs(dialect, numerics.fp8_max_for(dialect)), TRANSLATE=translate,
         HAS_SWA_OUT=has_swa_out, HAS_Q=q is not None, TILE_AMAX_FLOOR=numerics.amax_floor,
         ROUND_BF16=numerics.round_to_bf16, KV_NORM=weight is not None,
-        Q_MODE=L.Q_MODES.index(numerics.q_mode), RMS_DEVICE=numerics.rms == "device",
+        Q_MODE=Q_MODES.index(numerics.q_mode), RMS_DEVICE=numerics.rms == "device",
         **LAUNCH_OPTIONS)
 
 

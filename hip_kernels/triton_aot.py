@@ -16,6 +16,7 @@ import os
 import re
 
 from . import kv_layout as L
+from . import numerics as N
 from .platform import dialect_for_arch
 
 ARCHS = ("gfx942", "gfx950")
@@ -43,32 +44,32 @@ def _variants(dialect):
                  "q_ptr": "*bf16", "q_stride_row": "i32:D", "q_stride_head": "i32:D", **loc}
     unit = {"pos_stride": 1, "loc_stride": 1, "map_stride": 1, "swa_out_stride": 1}
 
-    def numerics(n=L.DEFAULT_NUMERICS):
+    def numerics(n=N.DEFAULT_NUMERICS):
         return {**fp8_constexprs(dialect, n.fp8_max_for(dialect)),
                 "TILE_AMAX_FLOOR": n.amax_floor, "ROUND_BF16": n.round_to_bf16,
-                "KV_NORM": True, "Q_MODE": L.Q_MODES.index(n.q_mode),
+                "KV_NORM": True, "Q_MODE": N.Q_MODES.index(n.q_mode),
                 "RMS_DEVICE": n.rms == "device"}
 
-    def norm_rope_variant(translate, has_swa_out, has_q, n=L.DEFAULT_NUMERICS, kv_norm=True):
+    def norm_rope_variant(translate, has_swa_out, has_q, n=N.DEFAULT_NUMERICS, kv_norm=True):
         flags = {"TRANSLATE": translate, "HAS_SWA_OUT": has_swa_out, "HAS_Q": has_q}
         return K.norm_rope_store_kernel, norm_rope, {**unit, **swa_page, **numerics(n), **flags,
                                                      "KV_NORM": kv_norm}
 
     # A host engine's numerics (fp32 through norm and RoPE, q rotated only; see StoreNumerics).
-    host = L.StoreNumerics(round_to_bf16=False, q_mode="rope_only")
+    host = N.StoreNumerics(round_to_bf16=False, q_mode="rope_only")
     return {
         "fused_k_norm_rope_store": norm_rope_variant(False, False, False),
         "fused_k_norm_rope_store+q": norm_rope_variant(False, False, True),
         "fused_k_norm_rope_store+q (reference)": norm_rope_variant(
-            False, False, True, L.REFERENCE_NUMERICS),
+            False, False, True, N.REFERENCE_NUMERICS),
         "fused_k_norm_rope_store+q (fp32, q rope only)": norm_rope_variant(
             False, False, True, host),
         "fused_k_norm_rope_store+q (normed kv, q fp32)": norm_rope_variant(
-            False, False, True, L.StoreNumerics(q_mode="norm_rope_fp32"), kv_norm=False),
+            False, False, True, N.StoreNumerics(q_mode="norm_rope_fp32"), kv_norm=False),
         "fused_translate_norm_rope_store": norm_rope_variant(True, True, False),
         "fused_store_cache": (
             K.store_cache_kernel, {"rows_ptr": "*bf16", "row_stride": "i32:D", **loc},
-            {"loc_stride": 1, **c4_page, **fp8, "TILE_AMAX_FLOOR": L.AMAX_FLOOR}),
+            {"loc_stride": 1, **c4_page, **fp8, "TILE_AMAX_FLOOR": N.AMAX_FLOOR}),
         "store_kv_pack": (
             K.store_pack_kernel,
             {"nope_ptr": "*u8", "nope_stride": "i32:D", "rope_ptr": "*bf16", "rope_stride": "i32:D",

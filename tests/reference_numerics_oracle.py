@@ -8,10 +8,11 @@ import numpy as np
 import torch
 
 from hip_kernels import kv_layout as L
+from hip_kernels import numerics as N
 from hip_kernels import set_kv_ref as R
 from kv_inputs import same_bytes
 
-RN = L.REFERENCE_NUMERICS
+RN = N.REFERENCE_NUMERICS
 
 # The HIP kernel sums the squares in fp32 in its own order: each lane in element order over its
 # 512 / lanes elements, then the xor butterfly over the lanes (kv_row.cuh). Its 1 / sqrt is

@@ -16,7 +16,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from hip_kernels import decode_attention as A, kv_layout as L, set_kv  # noqa: E402
+from hip_kernels import KernelOptions, kv_layout as L, set_kv  # noqa: E402
+from hip_kernels import decode_attention as A  # noqa: E402
 from hip_kernels.platform import default_device  # noqa: E402
 from triton_interp_shim import interpreter_shim  # noqa: E402,F401 (autouse fixture)
 
@@ -69,11 +70,11 @@ def on(args, device):
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
 
 
-def both_backends(flag_env, args, reference):
+def both_backends(args, reference):
     out = {}
     for backend in ("torch", "triton"):
-        flag_env(DSV4_KERNEL_BACKEND=backend, DSV4_FP8_DIALECT=DIALECT)
-        out[backend] = A.sparse_decode_attention(**on(args, DEV), reference=reference).cpu()
+        out[backend] = A.sparse_decode_attention(**on(args, DEV), reference=reference,
+                                                 options=KernelOptions(backend=backend)).cpu()
     return out["torch"], out["triton"]
 
 
@@ -87,29 +88,29 @@ def assert_close(got, want):
 @pytest.mark.parametrize("reference", [False, True], ids=["fp32", "reference"])
 @pytest.mark.parametrize("n,heads,window,comp", [
     (1, 4, 8, None), (3, 4, 8, 5), (2, 16, 128, 70), (2, 20, 16, 3), (1, 64, 128, 70)])
-def test_triton_matches_torch(flag_env, reference, n, heads, window, comp):
+def test_triton_matches_torch(reference, n, heads, window, comp):
     args = case(n * 7 + heads + window, n, heads, window, comp)
-    want, got = both_backends(flag_env, args, reference)
+    want, got = both_backends(args, reference)
     assert got.dtype == torch.bfloat16 and got.shape == (n, heads, L.HEAD_DIM)
     assert bool(torch.isfinite(got).all())
     assert_close(got, want)
 
 
-def test_the_numerics_modes_differ(flag_env):
+def test_the_numerics_modes_differ():
     """The reference rounding is really applied (the modes are not the same computation)."""
     args = case(5, 2, 16, 128, 70)
-    flag_env(DSV4_KERNEL_BACKEND="triton", DSV4_FP8_DIALECT=DIALECT)
-    ref = A.sparse_decode_attention(**on(args, DEV), reference=True).cpu()
-    f32 = A.sparse_decode_attention(**on(args, DEV), reference=False).cpu()
+    triton = KernelOptions(backend="triton")
+    ref = A.sparse_decode_attention(**on(args, DEV), reference=True, options=triton).cpu()
+    f32 = A.sparse_decode_attention(**on(args, DEV), reference=False, options=triton).cpu()
     assert not torch.equal(ref, f32)
 
 
 @pytest.mark.parametrize("reference", [False, True], ids=["fp32", "reference"])
-def test_invalid_rows_read_nothing(flag_env, reference):
+def test_invalid_rows_read_nothing(reference):
     """Poisoned bytes (NaN values, NaN scales) at the slots of invalid rows, and an invalid row
     pointing past the cache, change nothing in either backend."""
     args = case(11, 2, 4, 16, 6)
-    clean = both_backends(flag_env, args, reference)
+    clean = both_backends(args, reference)
     bad = dict(args, swa_cache=args["swa_cache"].clone(), comp_cache=args["comp_cache"].clone())
     for cache, loc, ok, page in ((bad["swa_cache"], args["window_loc"], args["window_valid"],
                                   SWA_PAGE),
@@ -121,11 +122,11 @@ def test_invalid_rows_read_nothing(flag_env, reference):
         loc[~ok] = spare
     bad["comp_loc"] = torch.where(args["comp_valid"], args["comp_loc"], 10 ** 6)
     assert (~args["window_valid"]).any() and (~args["comp_valid"]).any()
-    for got, want in zip(both_backends(flag_env, bad, reference), clean):
+    for got, want in zip(both_backends(bad, reference), clean):
         assert torch.equal(got, want)
 
 
-def test_the_torch_path_is_the_models_math(flag_env):
+def test_the_torch_path_is_the_models_math():
     """The op's torch path = read_kv_rows + sparse_attention_rows, what the model's extend path
     runs on the same rows (Attention.sparse_attention), bit for bit in both modes."""
     from dsv4.config import ModelConfig
@@ -140,10 +141,10 @@ def test_the_torch_path_is_the_models_math(flag_env):
           L.read_kv_rows(args["comp_cache"], args["comp_loc"], CMP_PAGE)]
     valid = [args["window_valid"], args["comp_valid"]]
     for mode in ("fp32", "reference"):
-        flag_env(DSV4_NUMERICS=mode, DSV4_KERNEL_BACKEND="torch")
-        want = attn.sparse_attention(args["q"], kv, valid)
+        want = attn.sparse_attention(args["q"], kv, valid, mode == "reference")
         got = A.sparse_decode_attention(**dict(args, scale=attn.softmax_scale),
-                                        reference=mode == "reference")
+                                        reference=mode == "reference",
+                                        options=KernelOptions(backend="torch"))
         assert torch.equal(got, want), mode
 
 
@@ -199,3 +200,5 @@ def test_bad_arguments_are_named(change, error, match):
         A.sparse_decode_attention(**args, reference=False)
     with pytest.raises(TypeError, match="reference must be a bool"):
         A.sparse_decode_attention(**case(2, 2, 4, 8, 5), reference=1)
+    with pytest.raises(TypeError, match="options must be a hip_kernels.KernelOptions, got str"):
+        A.sparse_decode_attention(**case(2, 2, 4, 8, 5), reference=False, options="triton")

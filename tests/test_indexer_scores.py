@@ -18,8 +18,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from hip_kernels import indexer_scores as S, set_kv  # noqa: E402
+from hip_kernels import KernelOptions, set_kv  # noqa: E402
 from hip_kernels import kv_layout as L  # noqa: E402
+from hip_kernels.indexer_scores import indexer_scores, indexer_scores_ref  # noqa: E402
 from hip_kernels.backend import BackendUnavailable  # noqa: E402
 from hip_kernels.platform import default_device  # noqa: E402
 from triton_interp_shim import interpreter_shim  # noqa: E402,F401 (autouse fixture)
@@ -62,11 +63,36 @@ def both_backends(flag_env, dialect, *args):
         pytest.skip("fnuz fp8 is AMD's dialect: Triton has no such type on an NVIDIA GPU")
     args = tuple(a.to(DEV) if isinstance(a, torch.Tensor) else a for a in args)
     out = {}
+    flag_env(DSV4_FP8_DIALECT=dialect)
     for backend in ("torch", "triton"):
-        flag_env(DSV4_KERNEL_BACKEND=backend, DSV4_FP8_DIALECT=dialect)
-        assert S.backend_for(DEV) == backend
-        out[backend] = S.indexer_scores(*args).cpu()
+        used, scores = run_recorded(*args, options=KernelOptions(backend=backend))
+        assert used == backend
+        out[backend] = scores.cpu()
     return out["torch"], out["triton"]
+
+
+def recorded_calls(fn) -> list:
+    """(op name, args) of every dispatcher op fn() runs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append((f"{func.namespace}::{func.overloadpacket.__name__}", args))
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        fn()
+    return seen
+
+
+def run_recorded(*args, **kwargs) -> tuple:
+    """(the backend argument of the op, the scores) of indexer_scores(*args, **kwargs)."""
+    out = []
+    calls = recorded_calls(lambda: out.append(indexer_scores(*args, **kwargs)))
+    (op_args,) = [a for name, a in calls if name == "dsv4::indexer_scores"]
+    return op_args[-2], out[0]
 
 
 def bf16_ulp(x):
@@ -174,7 +200,7 @@ def test_reference_follows_the_formula_in_each_dtype():
         w = torch.randn(3, 8, generator=g)
         exact = sum((q[:, h].double().unsqueeze(1) * keys.double()).sum(-1).relu()
                     * w[:, h, None].double() for h in range(8))
-        got = S.indexer_scores_ref(q, w, keys)
+        got = indexer_scores_ref(q, w, keys)
         assert got.dtype == torch.float32
         torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-5)
 
@@ -183,59 +209,54 @@ def test_reference_follows_the_formula_in_each_dtype():
             ((q[:, h].bfloat16().float().unsqueeze(1) * keys.bfloat16().float()).sum(-1)
              .bfloat16().relu() * wb[:, h, None]) for h in range(8)], 1)   # bf16 per head
         want = terms.float().sum(1).bfloat16()
-        got = S.indexer_scores_ref(q, wb, keys)
+        got = indexer_scores_ref(q, wb, keys)
         assert got.dtype == torch.bfloat16
         ulp = (want.float().abs() * 2 ** -7).clamp_min(2 ** -126)
         assert bool(((got.float() - want.float()).abs() <= ulp).all())
 
 
 @pytest.mark.parametrize("checks", ["0", "1"])
-def test_one_dispatcher_op_per_call(flag_env, checks):
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    seen = []
-
-    class Names(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            seen.append(f"{func.namespace}::{func.overloadpacket.__name__}")
-            return func(*args, **(kwargs or {}))
-
-    flag_env(DSV4_KERNEL_VALUE_CHECKS=checks)
+def test_one_dispatcher_op_per_call(checks):
     g = gen(19)
     cache = filled_cache(g)
     args = (*queries(g, 2, 8, 5)[:2], cache, *queries(g, 2, 8, 5)[2:], PAGE)
-    with Names():
-        S.indexer_scores(*args)
+    options = KernelOptions(value_checks=checks == "1")
+    seen = [name for name, _ in recorded_calls(lambda: indexer_scores(*args, options=options))]
     assert seen.count("dsv4::indexer_scores") == 1
     aten = [s for s in seen if s.startswith("aten::")]
     assert not aten if checks == "0" else len(aten) < 6   # the location range check
 
 
-def test_a_valid_location_outside_the_cache(flag_env):
+def test_a_valid_location_outside_the_cache():
     g = gen(23)
     cache = filled_cache(g)
     q, w, loc, valid = queries(g, 1, 8, 4)
     loc[0, 1], valid[0, 1] = SLOTS, True
     with pytest.raises(IndexError, match=f"location {SLOTS} at a valid row"):
-        S.indexer_scores(q, w, cache, loc, valid, PAGE)
-    flag_env(DSV4_KERNEL_VALUE_CHECKS="0", DSV4_KERNEL_BACKEND="triton")
+        indexer_scores(q, w, cache, loc, valid, PAGE)
+    unchecked = KernelOptions(backend="triton", value_checks=False)
     q, w, cache, loc, valid = (t.to(DEV) for t in (q, w, cache, loc, valid))
-    out = S.indexer_scores(q, w, cache, loc, valid, PAGE).cpu()  # reads nothing past the cache
+    out = indexer_scores(q, w, cache, loc, valid, PAGE, options=unchecked).cpu()  # no read past
+    # the cache
     assert bool(out[0, 1].isnan())
 
 
-def test_the_backend_follows_the_flag(flag_env, monkeypatch):
+def test_the_backend_follows_the_options(monkeypatch):
     if DEV.type != "cpu":
         pytest.skip("the CPU backend choice (no interpreter where a GPU exists)")
-    cpu = torch.device("cpu")
-    assert S.backend_for(cpu) == "torch"                        # auto: the reference on a CPU
-    flag_env(DSV4_KERNEL_BACKEND="hip")
-    assert S.backend_for(cpu) == "triton"                       # no HIP version
-    flag_env(DSV4_KERNEL_BACKEND="triton")
-    assert S.backend_for(cpu) == "triton"                       # TRITON_INTERPRET=1 here
+    g = gen(29)
+    args = (*queries(g, 1, 8, 4)[:2], filled_cache(g), *queries(g, 1, 8, 4)[2:], PAGE)
+
+    def backend(name=None):
+        return run_recorded(*args, **({} if name is None else
+                                      {"options": KernelOptions(backend=name)}))[0]
+
+    assert backend() == "torch"                                 # auto: the reference on a CPU
+    assert backend("hip") == "triton"                           # no HIP version
+    assert backend("triton") == "triton"                        # TRITON_INTERPRET=1 here
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(BackendUnavailable, match="TRITON_INTERPRET=1"):
-        S.backend_for(cpu)
+        backend("triton")
 
 
 CACHE = torch.zeros(2, L.indexer_page_bytes(PAGE), dtype=torch.uint8)
@@ -259,13 +280,14 @@ CACHE = torch.zeros(2, L.indexer_page_bytes(PAGE), dtype=torch.uint8)
     (dict(valid=torch.ones(2, 4, dtype=torch.bool)), ValueError, r"valid must have shape \[2, 5\]"),
     (dict(page_size=0), ValueError, "page_size must be an int >= 1"),
     (dict(q="q"), TypeError, "q must be a torch.Tensor"),
+    (dict(options="torch"), TypeError, "options must be a hip_kernels.KernelOptions, got str"),
 ])
 def test_bad_arguments_are_named(bad, error, match):
     args = dict(q=torch.zeros(2, 8, 128), weights=torch.zeros(2, 8), cache=CACHE,
                 loc=torch.zeros(2, 5, dtype=torch.int64), valid=torch.ones(2, 5, dtype=torch.bool),
                 page_size=PAGE) | bad
     with pytest.raises(error, match=match):
-        S.indexer_scores(**args)
+        indexer_scores(**args)
 
 
 def test_the_meta_implementation_gives_the_shape_and_dtype():

@@ -6,7 +6,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from hip_kernels import envs, flags, mhc_split  # noqa: E402
+from hip_kernels import KernelOptions, mhc_split  # noqa: E402
 from hip_kernels.backend import BackendUnavailable  # noqa: E402
 from hip_kernels.platform import default_device  # noqa: E402
 
@@ -31,8 +31,8 @@ def test_triton_matches_the_reference(n, iters):
     """fp32 both ways in the same order; exp and division may differ in the last bit, which
     20 iterations carry to ~1e-6 relative."""
     mixes, scale, base = inputs(n, seed=n * 31 + iters)
-    want = mhc_split.hc_split_ref(mixes, scale, base, HC, iters, EPS)
-    got = torch.ops.dsv4.hc_split(mixes, scale, base, HC, iters, EPS, "triton")
+    want = mhc_split.hc_split_ref(mixes, scale, base, HC, iters, EPS, True)
+    got = torch.ops.dsv4.hc_split(mixes, scale, base, HC, iters, EPS, True, "triton")
     for g, w in zip(got, want):
         assert g.shape == w.shape
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
@@ -41,44 +41,78 @@ def test_triton_matches_the_reference(n, iters):
 def test_the_columns_end_normalised():
     """The last step divides by the column sums: each column sums to 1 (up to eps)."""
     mixes, scale, base = inputs(8, seed=3)
-    _, _, comb = torch.ops.dsv4.hc_split(mixes, scale, base, HC, ITERS, EPS, "triton")
+    _, _, comb = torch.ops.dsv4.hc_split(mixes, scale, base, HC, ITERS, EPS, True, "triton")
     torch.testing.assert_close(comb.sum(-2).cpu(), torch.ones(8, HC), atol=1e-5, rtol=0)
 
 
-def test_one_dispatcher_op_per_call():
+def recorded_calls(fn) -> list:
+    """(op name, args) of every dispatcher op fn() runs."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     seen = []
 
-    class Names(TorchDispatchMode):
+    class Record(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            seen.append(f"{func.namespace}::{func.overloadpacket.__name__}")
+            seen.append((f"{func.namespace}::{func.overloadpacket.__name__}", args))
             return func(*args, **(kwargs or {}))
 
+    with Record():
+        fn()
+    return seen
+
+
+def test_one_dispatcher_op_per_call():
     mixes, scale, base = inputs(4)
-    with Names():
-        mhc_split.hc_split(mixes, scale, base, HC, ITERS, EPS)
+    seen = [name for name, _ in recorded_calls(
+        lambda: mhc_split.hc_split(mixes, scale, base, HC, ITERS, EPS))]
     assert seen.count("dsv4::hc_split") == 1
     assert len([s for s in seen if s.startswith("aten::")]) < 5   # argument casts at most
 
 
-def test_the_backend_follows_the_flag(monkeypatch):
+def op_args(hc, **kwargs) -> tuple:
+    """The (reference, backend) arguments of the hc_split op one public call runs."""
+    width = (2 + hc) * hc
+    mixes, scale, base = torch.zeros(1, width), torch.ones(3), torch.zeros(width)
+    calls = recorded_calls(lambda: mhc_split.hc_split(mixes, scale, base, hc, 1, EPS, **kwargs))
+    (args,) = [a for name, a in calls if name == "dsv4::hc_split"]
+    return args[-2:]
+
+
+def test_the_backend_follows_the_options(monkeypatch):
     if DEV.type != "cpu":
         pytest.skip("the CPU backend choice (no interpreter where a GPU exists)")
-    cpu = torch.device("cpu")
-    assert mhc_split.backend_for(cpu, HC) == "torch"            # auto: the reference on a CPU
-    monkeypatch.setenv("DSV4_KERNEL_BACKEND", "triton")
-    flags.refresh()
-    try:
-        assert mhc_split.backend_for(cpu, HC) == "triton"       # TRITON_INTERPRET=1 here
-        assert mhc_split.backend_for(cpu, 3) == "torch"         # not a power of two
-        monkeypatch.delenv("TRITON_INTERPRET")
-        with pytest.raises(BackendUnavailable, match="TRITON_INTERPRET=1"):
-            mhc_split.backend_for(cpu, HC)
-    finally:
-        monkeypatch.delenv("DSV4_KERNEL_BACKEND")
-        flags.refresh()
-    assert envs.KERNEL_BACKEND.get() == "auto"
+    triton = KernelOptions(backend="triton")
+    assert op_args(HC) == (True, "torch")                          # auto: the reference on a CPU
+    assert op_args(HC, options=triton) == (True, "triton")         # TRITON_INTERPRET=1 here
+    assert op_args(HC, options=KernelOptions(backend="hip")) == (True, "triton")   # no HIP one
+    assert op_args(3, options=triton) == (True, "torch")           # not a power of two
+    assert op_args(HC, reference=False) == (False, "torch")        # the op replays the numerics
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(BackendUnavailable, match="TRITON_INTERPRET=1"):
+        op_args(HC, options=triton)
+
+
+def test_the_reference_flag_picks_the_softmax():
+    """reference: the softmax as a true division; fp32: torch's softmax (a reciprocal)."""
+    mixes, scale, base = (t.cpu() for t in inputs(64, seed=5))
+    for reference in (True, False):
+        want = mhc_split.hc_split_ref(mixes, scale, base, HC, ITERS, EPS, reference)
+        got = mhc_split.hc_split(mixes, scale, base, HC, ITERS, EPS, reference=reference,
+                                 options=KernelOptions(backend="torch"))
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+    comb = [mhc_split.sinkhorn_ref(mixes[:, 2 * HC:].view(-1, HC, HC), 1, EPS, r)
+            for r in (True, False)]
+    assert not torch.equal(*comb)
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    (dict(reference="yes"), TypeError, "reference must be a bool, got 'yes'"),
+    (dict(options="triton"), TypeError, "options must be a hip_kernels.KernelOptions, got str"),
+])
+def test_bad_keyword_arguments_are_named(bad, error, match):
+    mixes, scale, base = inputs(2)
+    with pytest.raises(error, match=match):
+        mhc_split.hc_split(mixes, scale, base, HC, ITERS, EPS, **bad)
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -99,5 +133,5 @@ def test_the_meta_implementation_gives_the_shapes():
     pre, post, comb = torch.ops.dsv4.hc_split(torch.empty(7, WIDTH, device="meta"),
                                               torch.empty(3, device="meta"),
                                               torch.empty(WIDTH, device="meta"), HC, ITERS, EPS,
-                                              "triton")
+                                              True, "triton")
     assert (pre.shape, post.shape, comb.shape) == ((7, HC), (7, HC), (7, HC, HC))

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from hip_kernels import kv_layout as L
+from hip_kernels import numerics as N
 from hip_kernels import set_kv_ref as R
 from hip_kernels.platform import FNUZ, OCP
 from kv_inputs import clone_args, gen, same_bytes
@@ -210,7 +211,7 @@ def test_nonfinite_rows_are_poisoned_like_the_reference(host_ops, op, dialect, l
 # --- REFERENCE_NUMERICS (rms "device", q_mode "bf16_norm_rope"): oracles in
 # reference_numerics_oracle.py
 
-RN = L.REFERENCE_NUMERICS
+RN = N.REFERENCE_NUMERICS
 K_OP = "fused_k_norm_rope_store"
 
 
@@ -319,10 +320,10 @@ def test_reference_numerics_poison_like_the_reference(host_ops, dialect, lanes):
 def test_numerics_arguments(host_ops):
     args = make_case(K_OP, 1, 8, 2, 8, 2, torch.int64, torch.float32)
     default = run_host(host_ops, K_OP, args, OCP, 64)
-    explicit = run_host_numerics(host_ops, args, OCP, 64, L.DEFAULT_NUMERICS)
+    explicit = run_host_numerics(host_ops, args, OCP, 64, N.DEFAULT_NUMERICS)
     assert_same(explicit, default)
     # rms "device" with q_mode "norm_rope": q takes the kv norm's factor (the reference's too)
-    mixed = L.StoreNumerics(rms="device")
+    mixed = N.StoreNumerics(rms="device")
     assert_same(run_host_numerics(host_ops, args, OCP, 64, mixed),
                 torch_reference(args, OCP, mixed))
     a = clone_args(args)
@@ -352,26 +353,26 @@ def test_hip_wrapper_passes_the_numerics(host_ops, monkeypatch):
 
     monkeypatch.setattr(set_kv_hip, "_ops", Extension)
     args = make_case(K_OP, 2, 8, 2, 8, 2, torch.int32, torch.bfloat16)
-    for numerics in (L.DEFAULT_NUMERICS, RN):
+    for numerics in (N.DEFAULT_NUMERICS, RN):
         a = clone_args(args)
         ops.fused_k_norm_rope_store(a["kv"], a["weight"], a["eps"], a["freqs_cis"],
                                     a["positions"], a["out_loc"], a["cache"], a["page_size"],
                                     a["q"], "hip", "ocp", *numerics_args(numerics))
         assert_same(outputs(a), run_host_numerics(host_ops, args, OCP, 64, numerics))
-    assert not same_bytes(run_host_numerics(host_ops, args, OCP, 64, L.DEFAULT_NUMERICS)["q"],
+    assert not same_bytes(run_host_numerics(host_ops, args, OCP, 64, N.DEFAULT_NUMERICS)["q"],
                           run_host_numerics(host_ops, args, OCP, 64, RN)["q"])
     cache = args["cache"]
-    assert _hip_ok(L.DEFAULT_NUMERICS, cache) and _hip_ok(RN, cache)
+    assert _hip_ok(N.DEFAULT_NUMERICS, cache) and _hip_ok(RN, cache)
     assert not _hip_ok(RN, cache, has_weight=False)
-    for other in (L.StoreNumerics(rms="device"), L.StoreNumerics(q_mode="bf16_norm_rope"),
-                  L.StoreNumerics(q_mode="bf16_norm_rope", rms="device", amax_floor=1e-8)):
+    for other in (N.StoreNumerics(rms="device"), N.StoreNumerics(q_mode="bf16_norm_rope"),
+                  N.StoreNumerics(q_mode="bf16_norm_rope", rms="device", amax_floor=1e-8)):
         assert not _hip_ok(other, cache)
     with pytest.raises(ValueError, match="do not implement"):
         set_kv_hip.fused_k_norm_rope_store(**clone_args(args), dialect=OCP,
-                                           numerics=L.StoreNumerics(q_mode="rope_only"))
+                                           numerics=N.StoreNumerics(q_mode="rope_only"))
 
 
-@pytest.mark.parametrize("numerics", [L.DEFAULT_NUMERICS, RN], ids=["default", "reference"])
+@pytest.mark.parametrize("numerics", [N.DEFAULT_NUMERICS, RN], ids=["default", "reference"])
 @pytest.mark.parametrize("dialect", [FNUZ, OCP], ids=str)
 def test_translate_with_q_stores_what_the_plain_store_does(host_ops, dialect, numerics):
     """The translating op (q and numerics included) writes the bytes and the q the plain store

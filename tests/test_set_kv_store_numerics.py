@@ -12,6 +12,7 @@ pytest.importorskip("triton")
 
 import hip_kernels  # noqa: E402
 from hip_kernels import kv_layout as L  # noqa: E402
+from hip_kernels import numerics as N  # noqa: E402
 from hip_kernels.backend import resolve  # noqa: E402
 from hip_kernels.platform import DIALECTS, default_device  # noqa: E402
 import v4_layout_encoder as E  # noqa: E402
@@ -20,12 +21,12 @@ from kv_inputs import (SENTINEL, clone_args, kv_cache, norm_rope_args, same_byte
 from triton_interp_shim import interpreter_shim  # noqa: E402,F401 (autouse fixture)
 
 DEV = default_device()
-HOST = L.StoreNumerics(round_to_bf16=False, q_mode="rope_only")
+HOST = N.StoreNumerics(round_to_bf16=False, q_mode="rope_only")
 VARIANTS = {
     "fp32 rows, q rope only": HOST,
-    "fnuz max 224": L.StoreNumerics(round_to_bf16=False, fp8_max=224.0, q_mode="rope_only"),
-    "q norm and rope in fp32": L.StoreNumerics(fp8_max=224.0, q_mode="norm_rope_fp32"),
-    "amax floor 1e-8": L.StoreNumerics(amax_floor=1e-8),
+    "fnuz max 224": N.StoreNumerics(round_to_bf16=False, fp8_max=224.0, q_mode="rope_only"),
+    "q norm and rope in fp32": N.StoreNumerics(fp8_max=224.0, q_mode="norm_rope_fp32"),
+    "amax floor 1e-8": N.StoreNumerics(amax_floor=1e-8),
 }
 
 
@@ -63,7 +64,7 @@ def test_unrounded_rows_are_quantized_from_fp32(flag_env):
     args["out_loc"] = torch.arange(16)
     loc = args["out_loc"]
     caches = {}
-    for numerics in (L.DEFAULT_NUMERICS, HOST):
+    for numerics in (N.DEFAULT_NUMERICS, HOST):
         a = clone_args(args)
         hip_kernels.fused_k_norm_rope_store(**a, numerics=numerics)
         caches[numerics.round_to_bf16] = a["cache"]
@@ -85,7 +86,7 @@ def test_fp8_max_and_amax_floor(flag_env, fp8_max, floor):
     (fnuz). A tile of tiny values shows the floor; a tile holding exactly fp8_max * 2^k shows
     the maximum."""
     flag_env(DSV4_KERNEL_BACKEND="torch", DSV4_FP8_DIALECT="fnuz")
-    numerics = L.StoreNumerics(fp8_max=fp8_max, amax_floor=floor)
+    numerics = N.StoreNumerics(fp8_max=fp8_max, amax_floor=floor)
     rows = torch.zeros(2, L.HEAD_DIM)
     rows[0, :64] = 1e-7                      # tile 0: amax below both floors
     rows[0, 64:128] = fp8_max * 4            # tile 1: exactly fp8_max * 2^2
@@ -125,12 +126,12 @@ def test_bad_numerics_are_refused_before_a_write(flag_env):
     args = norm_rope_args(seed=1, n=2, page_size=4, pages=1)
     before = args["cache"].clone()
     with pytest.raises(ValueError, match="fp8_max=448.0 exceeds the fnuz fp8 maximum 240"):
-        hip_kernels.fused_k_norm_rope_store(**args, numerics=L.StoreNumerics(fp8_max=448.0))
+        hip_kernels.fused_k_norm_rope_store(**args, numerics=N.StoreNumerics(fp8_max=448.0))
     with pytest.raises(TypeError, match="numerics must be a hip_kernels.StoreNumerics"):
         hip_kernels.fused_store_cache(args["kv"], args["cache"], args["out_loc"], 4, numerics={})
     assert same_bytes(args["cache"], before)
     with pytest.raises(ValueError, match="amax_floor must be > 0"):
-        L.StoreNumerics(amax_floor=0.0)
+        N.StoreNumerics(amax_floor=0.0)
 
 
 def test_hip_runs_only_what_it_covers(flag_env, monkeypatch):
@@ -144,9 +145,9 @@ def test_hip_runs_only_what_it_covers(flag_env, monkeypatch):
     monkeypatch.setattr(B, "triton_usable", lambda device: True)
     gpu = torch.device("cuda")
     cache = kv_cache(2, 4)
-    assert resolve("fused_k_norm_rope_store", gpu, _hip_ok(L.DEFAULT_NUMERICS, cache)) == "hip"
-    for ok in (_hip_ok(HOST, cache), _hip_ok(L.DEFAULT_NUMERICS, cache, has_weight=False),
-               _hip_ok(L.DEFAULT_NUMERICS, strided_cache(2, 4, gap=576)[0])):
+    assert resolve("fused_k_norm_rope_store", gpu, _hip_ok(N.DEFAULT_NUMERICS, cache)) == "hip"
+    for ok in (_hip_ok(HOST, cache), _hip_ok(N.DEFAULT_NUMERICS, cache, has_weight=False),
+               _hip_ok(N.DEFAULT_NUMERICS, strided_cache(2, 4, gap=576)[0])):
         assert not ok
         assert resolve("fused_k_norm_rope_store", gpu, ok) == "triton"
     flag_env(DSV4_KERNEL_BACKEND="hip")
@@ -162,7 +163,7 @@ def strided_cache(pages: int, page_size: int, gap: int, device="cpu"):
     return base[:, :page_size * L.TOKEN_BYTES], base
 
 
-VLLM_LIKE = L.StoreNumerics(q_mode="norm_rope_fp32")
+VLLM_LIKE = N.StoreNumerics(q_mode="norm_rope_fp32")
 
 
 @pytest.mark.parametrize("dialect", ("fnuz", "ocp"))
@@ -210,7 +211,7 @@ def test_q_norm_rope_fp32_rounds_once(flag_env):
     flag_env(DSV4_KERNEL_BACKEND="torch")
     args = norm_rope_args(seed=9, n=6, page_size=4, pages=2, heads=3)
     outs = {}
-    for numerics in (VLLM_LIKE, L.DEFAULT_NUMERICS):
+    for numerics in (VLLM_LIKE, N.DEFAULT_NUMERICS):
         a = clone_args(args)
         hip_kernels.fused_k_norm_rope_store(**a, numerics=numerics)
         outs[numerics.q_mode] = a["q"]
@@ -236,10 +237,10 @@ def test_triton_follows_the_reference_numerics(flag_env, dialect):
     from reference_numerics_oracle import check_q
 
     args = norm_rope_args(seed=11, n=24, page_size=8, pages=4, heads=4)
-    out = {b: run(flag_env, b, dialect, "fused_k_norm_rope_store", args, L.REFERENCE_NUMERICS)
+    out = {b: run(flag_env, b, dialect, "fused_k_norm_rope_store", args, N.REFERENCE_NUMERICS)
            for b in ("torch", "triton")}
     assert same_bytes(out["torch"]["cache"], out["triton"]["cache"])
     check_q(out["triton"]["q"], args, 64, out["torch"]["q"])
     default = run(flag_env, "triton", dialect, "fused_k_norm_rope_store", args,
-                  L.DEFAULT_NUMERICS)
+                  N.DEFAULT_NUMERICS)
     assert not same_bytes(default["q"], out["triton"]["q"])   # the modes are told apart

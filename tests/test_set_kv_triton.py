@@ -17,6 +17,7 @@ pytest.importorskip("triton")
 
 import hip_kernels  # noqa: E402
 from hip_kernels import kv_layout as L  # noqa: E402
+from hip_kernels import numerics as N  # noqa: E402
 from hip_kernels.backend import resolve  # noqa: E402
 from hip_kernels.platform import default_device  # noqa: E402
 from kv_inputs import (SENTINEL, bf16_rows, clone_args, gen, indexer_cache, kv_cache,  # noqa: E402
@@ -299,7 +300,7 @@ def test_indexer_store_with_power_of_two_scales_reads_fp4_keys_back_exactly(flag
     assert not torch.equal(lossy, k.float())
 
 
-@pytest.mark.parametrize("numerics", [L.DEFAULT_NUMERICS, L.REFERENCE_NUMERICS],
+@pytest.mark.parametrize("numerics", [N.DEFAULT_NUMERICS, N.REFERENCE_NUMERICS],
                          ids=["default", "reference"])
 def test_translate_with_q_stores_what_the_plain_store_does(flag_env, numerics):
     """The translating op with q and numerics: Triton writes the bytes and the q that its plain
@@ -322,6 +323,6 @@ def test_translate_with_q_stores_what_the_plain_store_does(flag_env, numerics):
         for name in ("cache", "q"):
             assert same_bytes(got[backend][name], want[backend][name]), (backend, name)
         assert not same_bytes(got[backend]["q"], args["q"]), "q was not touched"
-    if numerics == L.DEFAULT_NUMERICS:
+    if numerics == N.DEFAULT_NUMERICS:
         for name in ("cache", "q", "swa_loc_out"):
             assert same_bytes(got["triton"][name], got["torch"][name]), name

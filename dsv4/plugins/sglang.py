@@ -25,8 +25,8 @@ from __future__ import annotations
 import functools
 import logging
 
-from hip_kernels import kv_layout as L
-from hip_kernels import set_kv
+from hip_kernels import numerics as N
+from hip_kernels import KernelOptions, set_kv
 from hip_kernels.backend import resolve
 from hip_kernels.platform import default_device, fp8_dialect
 
@@ -44,16 +44,16 @@ SGLANG_FNUZ_MAX = 224.0
 
 
 @functools.lru_cache(maxsize=None)
-def _numerics(op: str, dialect_name: str) -> L.StoreNumerics:
+def _numerics(op: str, dialect_name: str) -> N.StoreNumerics:
     if op == "fused_k_norm_rope_store":
         # fp32 through the norm and the RoPE, fp32 quantized, q only rotated (fma-rounded).
         fnuz_max = SGLANG_FNUZ_MAX if dialect_name == "fnuz" else None
-        return L.StoreNumerics(round_to_bf16=False, fp8_max=fnuz_max, q_mode="rope_only")
+        return N.StoreNumerics(round_to_bf16=False, fp8_max=fnuz_max, q_mode="rope_only")
     # SGLang's ROCm Triton store: the dtype's own maximum, tile amax floored at 1e-8.
-    return L.StoreNumerics(amax_floor=1e-8)
+    return N.StoreNumerics(amax_floor=1e-8)
 
 
-def sglang_numerics(op: str) -> L.StoreNumerics:
+def sglang_numerics(op: str) -> N.StoreNumerics:
     """The StoreNumerics that reproduce what SGLang 0.5.23's own ROCm kernel writes for `op`."""
     return _numerics(op, fp8_dialect().name)
 
@@ -94,7 +94,8 @@ def fused_store_hook(original, self, layer_id, swa_loc, cache_k):
         return original(self, layer_id, swa_loc, cache_k)
     set_kv.fused_store_cache(cache_k, self.get_swa_raw_buffer(layer_id), swa_loc,
                              self.swa_page_size,
-                             numerics=sglang_numerics("fused_store_cache"))
+                             numerics=sglang_numerics("fused_store_cache"),
+                             options=KernelOptions.from_env())
 
 
 def fused_norm_rope_hook(original, self, layer_id, swa_loc, kv, kv_weight, eps, freqs_cis,
@@ -103,7 +104,8 @@ def fused_norm_rope_hook(original, self, layer_id, swa_loc, kv, kv_weight, eps, 
         return original(self, layer_id, swa_loc, kv, kv_weight, eps, freqs_cis, positions, q)
     set_kv.fused_k_norm_rope_store(kv, kv_weight, eps, freqs_cis, positions, swa_loc,
                                    self.get_swa_raw_buffer(layer_id), self.swa_page_size, q=q,
-                                   numerics=sglang_numerics("fused_k_norm_rope_store"))
+                                   numerics=sglang_numerics("fused_k_norm_rope_store"),
+                                   options=KernelOptions.from_env())
 
 
 # method -> (the parameters this plugin was written against, hook, our op or None)
@@ -138,11 +140,11 @@ def plan(methods: dict[str, tuple[str, ...]] | None) -> tuple[dict, str | None]:
 
 def describe_plan(chosen: dict) -> str:
     """'method (op on backend), ...' for the activation line and `python -m dsv4 env`."""
-    device = default_device()
+    device, backend = default_device(), KernelOptions.from_env().backend
     parts = []
     for name, (_, _, op) in chosen.items():
         where = "identity-keyed SWA location cache" if op is None else (
-            f"{op} on {resolve(op, device, sglang_numerics(op).is_default)}")
+            f"{op} on {resolve(op, device, backend, hip_ok=sglang_numerics(op).is_default)}")
         parts.append(f"{POOL_CLASS}.{name} -> {where}")
     return "; ".join(parts)
 

@@ -26,8 +26,8 @@ import logging
 
 import torch
 
-from hip_kernels import kv_layout as L
-from hip_kernels import set_kv
+from hip_kernels import numerics as N
+from hip_kernels import KernelOptions, set_kv
 from hip_kernels.backend import resolve
 from hip_kernels.platform import backend as platform_backend
 from hip_kernels.platform import default_device, fp8_dialect
@@ -47,12 +47,12 @@ VLLM_FNUZ_MAX = 224.0
 
 
 @functools.lru_cache(maxsize=None)
-def _numerics(dialect_name: str) -> L.StoreNumerics:
-    return L.StoreNumerics(fp8_max=VLLM_FNUZ_MAX if dialect_name == "fnuz" else None,
+def _numerics(dialect_name: str) -> N.StoreNumerics:
+    return N.StoreNumerics(fp8_max=VLLM_FNUZ_MAX if dialect_name == "fnuz" else None,
                            q_mode="norm_rope_fp32")
 
 
-def vllm_numerics() -> L.StoreNumerics:
+def vllm_numerics() -> N.StoreNumerics:
     """What vLLM 0.33's own insert kernel computes (see the module docstring)."""
     return _numerics(fp8_dialect().name)
 
@@ -94,7 +94,8 @@ def insert_hook(original):
         q_out = q.clone()
         set_kv.fused_k_norm_rope_store(
             kv, None, self.eps, freqs_cis_of(self.rotary_emb.cos_sin_cache), positions, loc,
-            cache.view(cache.shape[0], -1), swa.block_size, q=q_out, numerics=vllm_numerics())
+            cache.view(cache.shape[0], -1), swa.block_size, q=q_out, numerics=vllm_numerics(),
+            options=KernelOptions.from_env())
         return q_out
 
     insert.__wrapped__ = original
@@ -119,7 +120,8 @@ def _problem() -> str | None:
 
 def _target() -> str:
     op = "fused_k_norm_rope_store"
-    return f"{CLASS}.{METHOD} -> {op} on {resolve(op, default_device(), False)}"
+    backend = resolve(op, default_device(), KernelOptions.from_env().backend, hip_ok=False)
+    return f"{CLASS}.{METHOD} -> {op} on {backend}"
 
 
 def status() -> str:

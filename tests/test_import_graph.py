@@ -1,0 +1,108 @@
+"""No import circle in hip_kernels, mem_pool or dsv4, counting the imports inside functions too.
+
+A circle works only as long as each side imports the other late enough; one moved import line
+turns it into an ImportError or a half-initialized module, so none is allowed. The graph is built
+from the source with `ast`: every `import` and `from ... import` statement, relative ones
+resolved, with an edge to a submodule when the imported name is one (`from . import envs`) and
+to the package itself otherwise (`from hip_kernels import StoreNumerics`).
+"""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("hip_kernels", "mem_pool", "dsv4")
+
+
+def module_files() -> dict[str, Path]:
+    """Dotted module name -> source file, for every module of PACKAGES."""
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join(parts)] = path
+    return found
+
+
+def _known(name: str, modules) -> str | None:
+    """name if it is a module of ours, else its longest prefix that is, else None."""
+    parts = name.split(".")
+    for end in range(len(parts), 0, -1):
+        candidate = ".".join(parts[:end])
+        if candidate in modules:
+            return candidate
+    return None
+
+
+def imports_of(name: str, path: Path, modules) -> set[str]:
+    """The modules of ours that `name` (at `path`) imports anywhere in its body."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        targets = []
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module
+            targets = [f"{source}.{alias.name}" if f"{source}.{alias.name}" in modules
+                       else source for alias in node.names]
+        for target in targets:
+            known = _known(target, modules)
+            if known is not None and known != name:
+                found.add(known)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = module_files()
+    return {name: imports_of(name, path, modules) for name, path in modules.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle as [a, b, ..., a], or None."""
+    state: dict[str, int] = {}   # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state:
+                cycle = visit(nxt)
+                if cycle:
+                    return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            cycle = visit(node)
+            if cycle:
+                return cycle
+    return None
+
+
+def test_finder_sees_a_circle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_graph_resolves_relative_and_function_level_imports():
+    graph = import_graph()
+    assert "hip_kernels.kv_layout" in graph["hip_kernels.set_kv"]
+    assert "hip_kernels.mhc_split_triton" in graph["hip_kernels.mhc_split"]   # inside a function
+    assert "hip_kernels" in graph["mem_pool.dsv4_pool"]
+
+
+def test_no_import_circle():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import circle: " + " -> ".join(cycle)
