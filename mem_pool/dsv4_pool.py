@@ -31,7 +31,11 @@ DEFAULT_MAX_NUM_REQS = 256
 
 class DeepSeekV4TokenToKVPool:
     def __init__(self, spec: KVCacheSpec, max_total_tokens: int, swa_tokens: int, page_size: int,
-                 device: torch.device | str = "cpu", max_num_reqs: int | None = None):
+                 device: torch.device | str = "cpu", max_num_reqs: int | None = None, *,
+                 cache_swa_translation: bool | None = None, swa_cache_verify: bool | None = None):
+        """cache_swa_translation, swa_cache_verify: the SWA location cache's `enabled` and
+        `verify` (see SwaLocCache); None reads DSV4_CACHE_SWA_TRANSLATION /
+        DSV4_SWA_CACHE_VERIFY once, here."""
         spec.check_page_size(page_size)
         for name, n in (("max_total_tokens", max_total_tokens), ("swa_tokens", swa_tokens)):
             if n < page_size or n % page_size:
@@ -68,7 +72,8 @@ class DeepSeekV4TokenToKVPool:
                                               for i in c4}
         self.full_to_swa_index_mapping: torch.Tensor | None = None
         self.swa_loc_stats = SwaLocStats()
-        self._loc_cache = SwaLocCache(self.swa_loc_stats)
+        self._loc_cache = SwaLocCache(self.swa_loc_stats, enabled=cache_swa_translation,
+                                      verify=swa_cache_verify)
         logger.info("DeepSeek-V4 KV pool: layers %d..%d, %d full + %d SWA tokens, page %d, "
                     "%d request slots, %.2f GiB", self.start_layer, self.end_layer - 1,
                     max_total_tokens, swa_tokens, page_size, max_num_reqs, self.nbytes / 2**30)
@@ -264,9 +269,12 @@ class DeepSeekV4TokenToKVPool:
 
 def create_dsv4_kv_cache(spec: KVCacheSpec, max_total_tokens: int, swa_tokens: int,
                          page_size: int, device: torch.device | str = "cpu", *,
-                         max_num_reqs: int | None = None):
-    """(pool, allocator) for a spec: the allocator registers its mapping with the pool."""
+                         max_num_reqs: int | None = None, cache_swa_translation: bool | None = None,
+                         swa_cache_verify: bool | None = None):
+    """(pool, allocator) for a spec: the allocator registers its mapping with the pool. The
+    SWA location cache's switches as in DeepSeekV4TokenToKVPool (None: read the flag now)."""
     pool = DeepSeekV4TokenToKVPool(spec, max_total_tokens, swa_tokens, page_size, device,
-                                   max_num_reqs)
+                                   max_num_reqs, cache_swa_translation=cache_swa_translation,
+                                   swa_cache_verify=swa_cache_verify)
     allocator = SWATokenToKVPoolAllocator(max_total_tokens, swa_tokens, page_size, pool, device)
     return pool, allocator

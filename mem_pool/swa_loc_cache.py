@@ -27,8 +27,9 @@ What it sees and what it cannot: every in-place torch op on the location tensor 
 and so misses. Writes that bypass the counter are invisible: through `tensor.data`, through a
 numpy view (`tensor.numpy()`), through another framework's view of the memory (DLPack), or by a
 custom kernel writing the memory. After such a write call `invalidate()` (the pool's
-`invalidate_loc_cache()`). `DSV4_SWA_CACHE_VERIFY=1` recomputes every hit and raises
-`StaleSwaLocError` on a stale one (a host sync per hit; never inside graph capture).
+`invalidate_loc_cache()`). A cache made with `verify=True` (DSV4_SWA_CACHE_VERIFY=1) recomputes
+every hit and raises `StaleSwaLocError` on a stale one (a host sync per hit; never inside graph
+capture).
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ from typing import Callable
 
 import torch
 
-from hip_kernels import flags
 from hip_kernels.capture import is_capturing
 
 from . import envs
@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 
 class StaleSwaLocError(RuntimeError):
-    """A cached translation no longer matches the mapping (DSV4_SWA_CACHE_VERIFY=1)."""
+    """A cached translation no longer matches the mapping (a cache made with verify=True)."""
 
 
 @dataclass
@@ -75,14 +75,21 @@ def _version(t: torch.Tensor) -> int | None:
 
 
 class SwaLocCache:
-    """A small LRU of translations (>= 2 entries, so interleaved micro-batches do not thrash)."""
+    """A small LRU of translations (>= 2 entries, so interleaved micro-batches do not thrash).
 
-    def __init__(self, stats: SwaLocStats, capacity: int = 4):
+    enabled: cache translations (False: translate on every call). verify: recompute every hit
+    and raise StaleSwaLocError on a stale one. None reads DSV4_CACHE_SWA_TRANSLATION /
+    DSV4_SWA_CACHE_VERIFY, once, here: both are fixed for the cache's life."""
+
+    def __init__(self, stats: SwaLocStats, capacity: int = 4, *, enabled: bool | None = None,
+                 verify: bool | None = None):
         if capacity < 2:
             raise ValueError(f"capacity must be >= 2 (two micro-batches interleave), got "
                              f"{capacity}")
         self.stats = stats
         self.capacity = capacity
+        self.enabled = _flag_value("enabled", enabled, envs.CACHE_SWA_TRANSLATION)
+        self.verify = _flag_value("verify", verify, envs.SWA_CACHE_VERIFY)
         self.generation = 0
         self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
         self._warned_unversioned = False
@@ -102,29 +109,27 @@ class SwaLocCache:
         last = self._last
         if last is None or loc is not last[0]:
             return None
-        _, version, ptr, mapping, mapping_version, generation, capturing, swa_loc, swa_version, \
-            flags_epoch = last
+        _, version, ptr, mapping, mapping_version, generation, capturing, swa_loc, \
+            swa_version = last
         if (loc._version != version or loc.data_ptr() != ptr or mapping._version != mapping_version
                 or self.generation != generation or swa_loc._version != swa_version
-                or flags.EPOCH != flags_epoch or is_capturing() != capturing):
+                or is_capturing() != capturing):
             return None
         self.stats.hits += 1
         return swa_loc
 
     def _remember(self, loc, mapping, mapping_state, entry: _Entry) -> None:
         """Serve loc by last_hit from now on (not while every hit must be verified)."""
-        if envs.SWA_CACHE_VERIFY.get():
+        if self.verify:
             self._last = None
             return
         self._last = (loc, loc._version, loc.data_ptr(), mapping, mapping._version,
-                      mapping_state[2], mapping_state[3], entry.swa_loc, entry.swa_loc_version,
-                      flags.EPOCH)
+                      mapping_state[2], mapping_state[3], entry.swa_loc, entry.swa_loc_version)
 
     def get(self, loc: torch.Tensor, mapping: torch.Tensor,
             translate: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """The translation of loc: cached when provably fresh, else translate(loc)."""
-        if not envs.CACHE_SWA_TRANSLATION.get():
-            self.invalidate()
+        if not self.enabled:
             return translate(loc)
         loc_version = _version(loc)
         if loc_version is None:
@@ -138,7 +143,7 @@ class SwaLocCache:
         if entry is not None and entry.swa_loc._version == entry.swa_loc_version:
             self._entries.move_to_end(key)
             self.stats.hits += 1
-            if envs.SWA_CACHE_VERIFY.get() and not is_capturing():
+            if self.verify and not is_capturing():
                 _verify(loc, mapping, entry.swa_loc)
             self._remember(loc, mapping, mapping_state, entry)
             return entry.swa_loc
@@ -165,6 +170,14 @@ class SwaLocCache:
                            "torch.inference_mode has no version counter; it is translated on "
                            "every call. Create out_cache_loc outside inference_mode (or under "
                            "torch.no_grad) to cache its translation.")
+
+
+def _flag_value(name: str, value: bool | None, flag) -> bool:
+    if value is None:
+        return flag.get()
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, or None to read {flag.name}, got {value!r}")
+    return value
 
 
 def _verify(loc: torch.Tensor, mapping: torch.Tensor, cached: torch.Tensor) -> None:

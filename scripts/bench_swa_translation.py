@@ -6,7 +6,7 @@ alloc_decode does, so no translation survives from one step to the next):
   per_layer          (a) pool.translate_loc_from_full_to_swa in every layer
   start_layer        (b) recompute when layer_id == start layer, reuse otherwise: the rule peers
                          ship, implemented here only as a baseline (it goes stale when a forward
-                         does not start at that layer, see docs/decode_path.md section 4)
+                         does not start at that layer, see docs/kv_memory.md)
   identity_cache     (c) pool.get_cached_swa_loc(loc, layer_id): one gather per step
   fused_translate    (d) hip_kernels.fused_translate_norm_rope_store in every layer: the set-KV
                          kernel translates itself (the KV store is part of the step)
@@ -89,8 +89,10 @@ def build(n_layers: int, batch: int, context_len: int, page_size: int) -> Setup:
     dev = bc.device()
     pages_per_req = -(-(context_len + 1) // page_size)
     tokens = batch * pages_per_req * page_size
+    # the cache on whatever DSV4_CACHE_SWA_TRANSLATION says: identity_cache measures it
     pool, allocator = create_dsv4_kv_cache(KVCacheSpec(compress_ratios=(0,) * n_layers),
-                                           tokens, tokens, page_size, dev)
+                                           tokens, tokens, page_size, dev,
+                                           cache_swa_translation=True, swa_cache_verify=False)
     lens = torch.full((batch,), context_len, dtype=torch.int64)
     prompt = allocator.alloc_extend(torch.zeros_like(lens), lens, torch.full_like(lens, -1),
                                     batch * context_len)

@@ -2,10 +2,10 @@
 plain-Python model of the two-sided allocator: never a stale translation, never a leaked or
 double-freed page, the mapping tensor always equal to the model's (same storage, trailing -1),
 and a retracted request's KV bytes back byte for byte after its resume. The SWA location cache
-runs with DSV4_SWA_CACHE_VERIFY=1, so any stale hit raises inside the step that made it."""
+verifies every hit (swa_cache_verify=True), so any stale hit raises inside the step that made
+it."""
 
 import copy
-import os
 
 import pytest
 import torch
@@ -18,12 +18,6 @@ P = 4
 FULL_PAGES, SWA_PAGES = 10, 6
 RATIOS = (0, 4, 0)                  # SWA layers, and one C4 layer with its indexer
 LAYERS = len(RATIOS)
-
-
-@pytest.fixture(autouse=True)
-def verify_every_cache_hit(flag_env):
-    flag_env(DSV4_SWA_CACHE_VERIFY="1")
-    assert os.environ["DSV4_SWA_CACHE_VERIFY"] == "1"
 
 
 def ceil_div(a, b):
@@ -72,7 +66,8 @@ class AllocatorMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.pool, self.al = small_pool(RATIOS, full_tokens=FULL_PAGES * P,
-                                        swa_tokens=SWA_PAGES * P, page_size=P)
+                                        swa_tokens=SWA_PAGES * P, page_size=P,
+                                        swa_cache_verify=True)
         g = torch.Generator().manual_seed(0)
         for table in (self.pool.swa_caches, self.pool.c4_caches, self.pool.indexer_caches):
             for cache in table.values():            # distinct bytes, so a misplaced row shows

@@ -1,5 +1,6 @@
 """The identity-keyed SWA location cache: the upstream refactor's properties, the failure modes
-of earlier designs, the flag, graph capture, and the translation count per decode step."""
+of earlier designs, its switches (read once, at construction), graph capture, and the
+translation count per decode step."""
 
 import gc
 import weakref
@@ -9,18 +10,24 @@ import torch
 from mem_pool_testlib import FLASH_RATIOS, PRO_RATIOS, expected_swa, small_pool
 
 from hip_kernels.capture import set_emulated_capture
-from mem_pool import KVCacheSpec, SwaLocCache, SwaLocStats, create_dsv4_kv_cache
+from mem_pool import (KVCacheSpec, StaleSwaLocError, SwaLocCache, SwaLocStats,
+                      create_dsv4_kv_cache)
 
 P = 4
 LAYERS = 6
 
 
+def layered_pool(**switches):
+    return small_pool(ratios=(0,) * LAYERS, full_tokens=32 * P, swa_tokens=32 * P, page_size=P,
+                      **switches)
+
+
 @pytest.fixture(params=["verify", "fast path"])
-def pa(flag_env, request):
-    """The cache on (default), either with every hit re-checked (DSV4_SWA_CACHE_VERIFY=1: a
-    stale hit raises) or as deployed (hits of the last tensor take the fast path)."""
-    flag_env(DSV4_SWA_CACHE_VERIFY="1" if request.param == "verify" else "0")
-    return small_pool(ratios=(0,) * LAYERS, full_tokens=32 * P, swa_tokens=32 * P, page_size=P)
+def pa(request):
+    """The cache on, either with every hit re-checked (swa_cache_verify=True: a stale hit
+    raises) or as deployed (hits of the last tensor take the fast path)."""
+    return layered_pool(cache_swa_translation=True,
+                        swa_cache_verify=request.param == "verify")
 
 
 def forward(pool, loc, layers=range(LAYERS)):
@@ -243,13 +250,35 @@ def test_graph_capture_never_reuses_a_warm_up_entry_and_never_syncs(pa, monkeypa
     assert pool.swa_loc_stats.translations == 3
 
 
-def test_flag_off_translates_every_call(pa, flag_env):
-    pool, al = pa
-    flag_env(DSV4_CACHE_SWA_TRANSLATION="0")
+def test_cache_off_translates_every_call():
+    pool, al = layered_pool(cache_swa_translation=False)
     loc = al.alloc(P)
     for got in forward(pool, loc):
         assert torch.equal(got, expected_swa(al, loc))
     assert pool.swa_loc_stats.translations == LAYERS and pool.swa_loc_stats.hits == 0
+
+
+@pytest.mark.parametrize("at_construction, later", [("0", "1"), ("1", "0")])
+def test_the_flags_are_read_once_when_the_pool_is_made(flag_env, at_construction, later):
+    """None follows DSV4_CACHE_SWA_TRANSLATION as it is when the pool is made; a flag changed
+    afterwards changes nothing in that pool."""
+    flag_env(DSV4_CACHE_SWA_TRANSLATION=at_construction, DSV4_SWA_CACHE_VERIFY="1")
+    pool, al = layered_pool()
+    flag_env(DSV4_CACHE_SWA_TRANSLATION=later, DSV4_SWA_CACHE_VERIFY="0")
+    loc = al.alloc(P)
+    forward(pool, loc)
+    assert pool.swa_loc_stats.translations == (1 if at_construction == "1" else LAYERS)
+    if at_construction == "1":                         # verify stayed on: no fast path
+        loc.data.copy_(loc.data.flip(0))
+        with pytest.raises(StaleSwaLocError):
+            pool.get_cached_swa_loc(loc)
+
+
+@pytest.mark.parametrize("name, value", [("cache_swa_translation", 1),
+                                         ("swa_cache_verify", "0")])
+def test_switches_must_be_bools(name, value):
+    with pytest.raises(TypeError, match="must be a bool, or None to read DSV4_"):
+        layered_pool(**{name: value})
 
 
 def test_cache_keeps_at_least_two_entries():
@@ -281,12 +310,12 @@ def test_bad_locations_raise_naming_loc(pa):
 
 
 @pytest.mark.parametrize("ratios, layers", [(FLASH_RATIOS, 43), (PRO_RATIOS, 61)])
-@pytest.mark.parametrize("cache", ["1", "0"])
-def test_translations_per_decode_step(flag_env, ratios, layers, cache):
-    flag_env(DSV4_CACHE_SWA_TRANSLATION=cache)
+@pytest.mark.parametrize("cache", [True, False])
+def test_translations_per_decode_step(ratios, layers, cache):
     spec = KVCacheSpec(ratios, end_layer=layers)
     page = 128
-    pool, al = create_dsv4_kv_cache(spec, 2 * page, 2 * page, page, "cpu", max_num_reqs=1)
+    pool, al = create_dsv4_kv_cache(spec, 2 * page, 2 * page, page, "cpu", max_num_reqs=1,
+                                    cache_swa_translation=cache)
     prompt = al.alloc_extend([0, 0], [5, 9], [-1, -1], 14)
     seq_lens, last = torch.tensor([5, 9]), prompt[[4, 13]]
     per_step = []
@@ -299,7 +328,7 @@ def test_translations_per_decode_step(flag_env, ratios, layers, cache):
             assert torch.equal(swa_loc, expected_swa(al, out_cache_loc))
         per_step.append(pool.swa_loc_stats.translations)
         last = out_cache_loc
-    assert per_step == [1 if cache == "1" else layers] * 3
+    assert per_step == [1 if cache else layers] * 3
 
 
 
@@ -337,31 +366,33 @@ def test_a_captured_graph_records_the_gather_even_after_a_warm_up(flag_env, kind
     assert torch.equal(out, expected_swa(al, nxt).expand(4, 8))
 
 
-def test_writes_that_bypass_the_version_counter_are_caught_by_verify(pa, flag_env):
-    """Writes through .data or a numpy view leave the version counter alone: without
-    DSV4_SWA_CACHE_VERIFY the cache serves the old translation; with it, the hit raises."""
-    from mem_pool import StaleSwaLocError
+WRITES_PAST_THE_VERSION_COUNTER = [
+    lambda t: t.data.copy_(t.data.flip(0)),
+    lambda t: t.numpy().__setitem__(slice(None), t.numpy()[::-1].copy())]
 
-    pool, al = pa
-    flag_env(DSV4_SWA_CACHE_VERIFY="1")
-    for write in (lambda t: t.data.copy_(t.data.flip(0)),
-                  lambda t: t.numpy().__setitem__(slice(None), t.numpy()[::-1].copy())):
+
+@pytest.mark.parametrize("write", WRITES_PAST_THE_VERSION_COUNTER, ids=["data", "numpy"])
+def test_writes_that_bypass_the_version_counter_are_caught_by_verify(write):
+    """Writes through .data or a numpy view leave the version counter alone: with
+    swa_cache_verify the hit raises; without it the cache serves the old translation until
+    invalidate_loc_cache()."""
+    for verify in (True, False):
+        pool, al = layered_pool(cache_swa_translation=True, swa_cache_verify=verify)
         loc = al.alloc(8)
-        assert loc is not None
         before = pool.get_cached_swa_loc(loc, 0).clone()
         write(loc)
-        with pytest.raises(StaleSwaLocError, match="stale at positions"):
-            pool.get_cached_swa_loc(loc, 1)
-        flag_env(DSV4_SWA_CACHE_VERIFY="0")
+        assert not torch.equal(pool.translate_loc_from_full_to_swa(loc), before)
+        if verify:
+            with pytest.raises(StaleSwaLocError, match="stale at positions"):
+                pool.get_cached_swa_loc(loc, 1)
+            continue
         assert torch.equal(pool.get_cached_swa_loc(loc, 2), before)   # served stale
         pool.invalidate_loc_cache()
         assert torch.equal(pool.get_cached_swa_loc(loc, 3),
                            pool.translate_loc_from_full_to_swa(loc))
-        flag_env(DSV4_SWA_CACHE_VERIFY="1")
-        al.free(loc)
 
 
-def test_the_fast_path_serves_the_last_tensor_and_misses_on_any_change(pa, flag_env):
+def test_the_fast_path_serves_the_last_tensor_and_misses_on_any_change(pa):
     pool, al = pa
     loc, other = al.alloc(2 * P), al.alloc(2 * P)
     fresh = expected_swa(al, loc)
@@ -371,8 +402,3 @@ def test_the_fast_path_serves_the_last_tensor_and_misses_on_any_change(pa, flag_
     loc.data = other                                   # .data assignment: a new address
     assert torch.equal(pool.get_cached_swa_loc(loc), expected_swa(al, loc))
     assert not torch.equal(expected_swa(al, loc), fresh)
-    pool.get_cached_swa_loc(loc)
-    flag_env(DSV4_CACHE_SWA_TRANSLATION="0")           # flags re-read: the cache is off
-    translations = pool.swa_loc_stats.translations
-    pool.get_cached_swa_loc(loc)
-    assert pool.swa_loc_stats.translations == translations + 1
