@@ -3,16 +3,36 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from .cli_errors import UsageError
+
+
+class StderrWarnings(logging.Handler):
+    """The packages' warnings (an ignored config key, an unusable prefix-cache file) as one
+    `warning: ...` line on stderr, each message once (config.json is read before the estimate
+    and again by the loader): the library only logs them, the command line shows them."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.seen: set[str] = set()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message not in self.seen:
+            self.seen.add(message)
+            print(f"warning: {message}", file=sys.stderr)
+
+
+WARNINGS = StderrWarnings()
 
 
 def _cmd_env(args: argparse.Namespace) -> int:
     from . import flags_table
 
     if args.markdown:
-        print(flags_table.readme_table())
+        print(flags_table.docs_table())
         return 0
     rows = flags_table.values_table()
     w = max(len(r[0]) for r in rows)
@@ -47,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="show the traceback of an error instead of one line")
     env = sub.add_parser("env", parents=[common],
                          help="print every DSV4_* flag with its value and source")
-    env.add_argument("--markdown", action="store_true", help="print the README table instead")
+    env.add_argument("--markdown", action="store_true",
+                     help="print the markdown table of docs/flags.md instead")
     env.set_defaults(func=_cmd_env)
     gen = sub.add_parser("generate", parents=[common],
                          help="generate tokens and report prefill and decode speed (default: tiny "
@@ -69,15 +90,18 @@ def build_parser() -> argparse.ArgumentParser:
                      help="ids per random prompt (default 32; 300 with --prefix-cache, so that "
                      "whole 256-token pages exist to reuse)")
     out = gen.add_argument_group("generation")
-    out.add_argument("--max-new-tokens", type=int, default=16)
+    out.add_argument("--max-new-tokens", type=int, default=16,
+                     help="tokens generated per prompt, the first included (default 16)")
     out.add_argument("--temperature", type=float, default=0.0,
                      help="0 = greedy (default, deterministic); > 0 samples")
     out.add_argument("--top-k", type=int, default=0, help="sample among the k most likely "
-                     "(0 = all)")
+                     "(default 0 = all)")
     out.add_argument("--top-p", type=float, default=1.0,
-                     help="sample among the most likely tokens holding this probability")
+                     help="sample among the most likely tokens holding this probability "
+                     "(default 1.0 = all)")
     out.add_argument("--seed", type=int, default=0,
-                     help="seed of the random weights, the random prompts and the sampling")
+                     help="seed of the random weights, the random prompts and the sampling "
+                     "(default 0)")
     out.add_argument("--ignore-eos", action="store_true",
                      help="do not stop at the config's end token")
     run = gen.add_argument_group("run")
@@ -105,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     """Mistakes a user can make (bad values, missing or corrupt files, a model that does not fit)
     end in one line on stderr and exit status 2; --debug shows the traceback instead."""
     args = build_parser().parse_args(argv)
+    loggers = [logging.getLogger(package) for package in ("dsv4", "mem_pool", "hip_kernels")]
+    WARNINGS.seen.clear()
+    for logger in loggers:
+        logger.addHandler(WARNINGS)
     try:
         return args.func(args)
     except (ValueError, OSError) as e:  # UsageError, flag, config and checkpoint errors
@@ -113,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
         message = " ".join(str(e).split()) or type(e).__name__
         print(f"error: {message}", file=sys.stderr)
         return 2
+    finally:
+        for logger in loggers:
+            logger.removeHandler(WARNINGS)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ prefill (time to first token) from the decode (decode-only tokens/s, step latenc
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 import sys
@@ -118,7 +119,11 @@ def pass_report(i: int, engine, tokens: list[list[int]]) -> dict:
             "prefill_ms": round(sum(s.prefill_s) * 1e3, 3), "tokens": tokens}
 
 
-def print_report(r: dict, n_prompts: int, tokenizer) -> None:
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def print_report(r: dict, n_prompts: int, tokenizer, model_path: str | None = None) -> None:
     na = "n/a (graph replay: the gather runs inside the graph; counters move only at capture)"
     graph = f"yes ({r['graph_backend']})" if r["graph"] else "no (eager)"
     for i, (ids, error) in enumerate(zip(r["tokens"], r["errors"])):
@@ -128,10 +133,11 @@ def print_report(r: dict, n_prompts: int, tokenizer) -> None:
         if tokenizer is not None:
             print(f"  text: {tokenizer.decode(ids)!r}")
     if tokenizer is None:
-        print("(no tokenizer: the built-in preset has none; --model-path DIR with a "
+        print(f"(no tokenizer: {model_path} has no tokenizer.json; token ids only)" if model_path
+              else "(no tokenizer: the built-in presets have none; --model-path DIR with a "
               "tokenizer.json prints text)")
-    print(f"generated {sum(map(len, r['tokens']))} tokens for {n_prompts} prompts on "
-          f"{r['device']}; graphs: {graph}")
+    print(f"generated {_count(sum(map(len, r['tokens'])), 'token')} for "
+          f"{_count(n_prompts, 'prompt')} on {r['device']}; graphs: {graph}")
     print(f"prefill: time to first token {r['ttft_ms']} ms")
     if r["decode_steps"]:
         print(f"decode: {r['decode_tokens_per_s']} tokens/s; step latency p50 "
@@ -148,6 +154,8 @@ def print_report(r: dict, n_prompts: int, tokenizer) -> None:
     print(f"pool usage: peak {pool['full_tokens_peak']}/{pool['full_tokens']} full tokens "
           f"({pool['peak_fraction']:.1%}), peak {pool['swa_tokens_peak']}/{pool['swa_tokens']} "
           f"SWA tokens; retractions: {r['retractions']}")
+    if len(r["passes"]) == 1 and not r["prefix_cache"]:
+        return                               # one pass without a cache: said above
     for p in r["passes"]:
         same = "same tokens as pass 0" if p["tokens"] == r["passes"][0]["tokens"] else (
             "TOKENS DIFFER from pass 0")
@@ -156,14 +164,26 @@ def print_report(r: dict, n_prompts: int, tokenizer) -> None:
               f"({p['prefix_hit_rate']:.1%}); {same}")
 
 
-def _check_memory(config, batch: int, context_len: int, device, force: bool) -> None:
+def _check_fits(args, config, prompts: list[list[int]], device) -> int:
+    """The run's context length, once the prompts are known to fit the model's positions and the
+    estimate fits the device (nothing is allocated before this)."""
     from .memory_estimate import GIB, available_bytes, estimate
+    from .model import DeepseekV4Model
 
-    need = estimate(config, batch, context_len)
+    context_len = max(map(len, prompts)) + args.max_new_tokens
+    if args.model_path:   # load_model builds the model with the default position tables
+        positions = inspect.signature(DeepseekV4Model).parameters["max_seq_len"].default
+        if context_len > positions:
+            raise UsageError(f"a prompt of {max(map(len, prompts))} tokens plus "
+                             f"--max-new-tokens {args.max_new_tokens} needs {context_len} "
+                             f"positions; this model covers {positions}")
+    need = estimate(config, len(prompts), context_len, prompt_tokens=sum(map(len, prompts)))
     have = available_bytes(device)
-    if need.total_bytes > have and not force:
+    if need.total_bytes > have and not args.force:
         raise UsageError(f"this run needs about {need.describe()} but {device} has "
-                         f"{have / GIB:.1f} GiB; use a smaller model or pass --force")
+                         f"{have / GIB:.1f} GiB; use a smaller model, shorter or fewer prompts, "
+                         "or pass --force")
+    return context_len
 
 
 def _config(args):
@@ -220,15 +240,9 @@ def run(args) -> int:
     config = _config(args)
     tokenizer = load_tokenizer(args.model_path)
     prompts = prompts_from_args(args, tokenizer, config.vocab_size)
-    context_len = max(map(len, prompts)) + args.max_new_tokens
-    if args.model_path or args.preset != "tiny":
-        _check_memory(config, len(prompts), context_len, device, args.force)
+    context_len = _check_fits(args, config, prompts, device)
     with bar("loading weights") as b:
         model = _model(args, config, context_len, device, lambda: b.update())
-    if context_len > model.max_seq_len:
-        raise UsageError(f"a prompt of {max(map(len, prompts))} tokens plus --max-new-tokens "
-                         f"{args.max_new_tokens} needs {context_len} positions; this model "
-                         f"covers {model.max_seq_len}")
     eos = None if args.ignore_eos else model.config.eos_token_id
     engine = Engine(model, max_batch=len(prompts), max_context_len=context_len,
                     eos_token_id=eos, graph=args.graph,
@@ -251,7 +265,7 @@ def run(args) -> int:
     report = build_report(engine, wall, out.tokens, out.errors)
     report["prefix_cache"] = engine.prefix_cache is not None
     report["passes"] = passes
-    print_report(report, len(prompts), tokenizer)
+    print_report(report, len(prompts), tokenizer, args.model_path)
     if args.json:
         print(json.dumps(report))
     return 0

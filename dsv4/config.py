@@ -46,6 +46,9 @@ HF_ROPE_SCALING = {
     "beta_fast": "beta_fast",
     "beta_slow": "beta_slow",
 }
+# Named when a config holds none of the model's keys (reference name or Hugging Face alias).
+EXPECTED_KEYS = ("dim or hidden_size", "n_layers or num_hidden_layers",
+                 "n_heads or num_attention_heads", "vocab_size", "compress_ratios")
 # Keys that appear in published configs and do not change the math this package implements.
 KNOWN_EXTRA_KEYS = frozenset({
     "architectures", "attention_bias", "attention_dropout", "expert_dtype", "hidden_act",
@@ -101,9 +104,14 @@ class ModelConfig:
     # ---- construction -------------------------------------------------------------------------
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
-        """Build from reference or Hugging Face names; unknown keys are logged and ignored."""
+    def from_dict(cls, d: dict[str, Any], source: str = "config") -> "ModelConfig":
+        """Build from reference or Hugging Face names; unknown keys are logged as a warning and
+        ignored. A dict holding no model key at all is refused: ``source`` (the file) names it."""
         names = {f.name for f in dataclasses.fields(cls)}
+        if not any(key == "rope_scaling" or HF_ALIASES.get(key, key) in names for key in d):
+            raise ValueError(f"{source}: no DeepSeek-V4 model key in it (expected keys such as "
+                             f"{', '.join(EXPECTED_KEYS)}); found: "
+                             f"{', '.join(sorted(d)) or 'nothing'}")
         values: dict[str, Any] = {}
         unknown = []
         for key, value in d.items():
@@ -119,7 +127,8 @@ class ModelConfig:
             elif key not in KNOWN_EXTRA_KEYS:
                 unknown.append(key)
         if unknown:
-            logger.warning("ignoring unknown config keys: %s", ", ".join(sorted(unknown)))
+            logger.warning("%s: ignoring unknown config keys: %s", source,
+                           ", ".join(sorted(unknown)))
         kv_heads = d.get("num_key_value_heads", 1)
         if kv_heads != 1:
             raise ValueError(f"num_key_value_heads must be 1 (MQA, K = V), got {kv_heads}")
@@ -138,7 +147,10 @@ class ModelConfig:
             raw = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not valid JSON ({e})") from None
-        return cls.from_dict(raw)
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: expected a JSON object of model keys, got "
+                             f"{type(raw).__name__}")
+        return cls.from_dict(raw, source=str(path))
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -68,7 +68,7 @@ SUBPROCESS_TESTS = (
     "tests/test_bench_scripts.py::test_sglang_plugin_quick",
     "tests/test_bench_scripts.py::test_sweep_script",
     "tests/test_flags.py::test_cli_env",
-    "tests/test_flags.py::test_update_readme_flags",
+    "tests/test_flags.py::test_update_flags_doc",
     "tests/test_checkpoint.py::test_lazy_exports_keep_import_cheap",
     "tests/test_imports.py::test_packages_import_without_triton",
     "tests/test_set_kv_triton.py::test_triton_backend_on_cpu_needs_the_interpreter",

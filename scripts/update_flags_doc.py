@@ -1,4 +1,4 @@
-"""Regenerate the README's flag table from the flag declarations (run after adding a flag).
+"""Regenerate the flag table of docs/flags.md from the flag declarations (run after adding a flag).
 
 tests/test_flags.py fails while the table is out of date, so a new flag cannot land without it.
 """
@@ -8,7 +8,7 @@ from pathlib import Path
 
 from dsv4 import flags_table as ft
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+FLAGS_DOC = Path(__file__).resolve().parents[1] / "docs" / "flags.md"
 
 
 def main(argv=None) -> int:
@@ -16,15 +16,15 @@ def main(argv=None) -> int:
     p.add_argument("--check", action="store_true",
                    help="write nothing; exit 1 when the table is out of date")
     args = p.parse_args(argv)
-    text = README.read_text()
-    begin = text.index(ft.README_BEGIN) + len(ft.README_BEGIN)
-    end = text.index(ft.README_END)
-    new = text[:begin] + "\n" + ft.readme_table() + "\n" + text[end:]
+    text = FLAGS_DOC.read_text()
+    begin = text.index(ft.TABLE_BEGIN) + len(ft.TABLE_BEGIN)
+    end = text.index(ft.TABLE_END)
+    new = text[:begin] + "\n" + ft.docs_table() + "\n" + text[end:]
     if args.check:
-        print("README flag table is " + ("up to date" if new == text else "out of date"))
+        print(f"{FLAGS_DOC} flag table is " + ("up to date" if new == text else "out of date"))
         return 0 if new == text else 1
-    README.write_text(new)
-    print(f"wrote the flag table into {README}")
+    FLAGS_DOC.write_text(new)
+    print(f"wrote the flag table into {FLAGS_DOC}")
     return 0
 
 

@@ -66,12 +66,12 @@ def test_every_package_declares_its_flags():
             "DSV4_MULTI_STREAM_PREPARE", "DSV4_GRAPH"} <= names
 
 
-def test_readme_flag_table_matches_declarations():
-    readme = (ROOT / "README.md").read_text()
-    begin = readme.index(flags_table.README_BEGIN) + len(flags_table.README_BEGIN)
-    end = readme.index(flags_table.README_END)
-    assert readme[begin:end].strip() == flags_table.readme_table().strip(), (
-        "README flag table is out of date: regenerate it with `python -m dsv4 env --markdown`")
+def test_docs_flag_table_matches_declarations():
+    doc = (ROOT / "docs" / "flags.md").read_text()
+    begin = doc.index(flags_table.TABLE_BEGIN) + len(flags_table.TABLE_BEGIN)
+    end = doc.index(flags_table.TABLE_END)
+    assert doc[begin:end].strip() == flags_table.docs_table().strip(), (
+        "docs/flags.md is out of date: regenerate it with `python scripts/update_flags_doc.py`")
 
 
 def _run_cli(*args, env_extra=None):
@@ -116,12 +116,12 @@ def test_cli_env_says_what_each_serving_plugin_would_replace():
     assert any(line.strip().startswith("vllm") for line in plugins)
 
 
-def test_update_readme_flags_help_writes_nothing():
-    readme = ROOT / "README.md"
-    before = readme.read_bytes()
-    script = str(ROOT / "scripts" / "update_readme_flags.py")
+def test_update_flags_doc_help_and_check_write_nothing():
+    doc = ROOT / "docs" / "flags.md"
+    before = doc.read_bytes()
+    script = str(ROOT / "scripts" / "update_flags_doc.py")
     out = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "usage" in out.stdout
     check = subprocess.run([sys.executable, script, "--check"], capture_output=True, text=True)
     assert check.returncode == 0 and "up to date" in check.stdout
-    assert readme.read_bytes() == before
+    assert doc.read_bytes() == before

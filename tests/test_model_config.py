@@ -99,3 +99,26 @@ def test_compress_ratios_may_include_mtp_layers():
     d = ModelConfig.preset("tiny").to_dict()
     cfg = ModelConfig.from_dict({**d, "n_mtp_layers": 1, "compress_ratios": [0, 4, 128, 4, 0]})
     assert cfg.layer_ratio(4) == 0 and cfg.n_layers == 4
+
+
+@pytest.mark.parametrize("raw", [{"foo": 1}, {}, {"architectures": ["DeepseekV4ForCausalLM"]}])
+def test_a_config_without_model_keys_is_refused_naming_the_file(tmp_path, raw):
+    """Not silently the Flash defaults: the file and the keys it should hold are named."""
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=rf"^{tmp_path}/config.json: no DeepSeek-V4 model key "
+                                         r"in it \(expected keys such as dim or hidden_size"):
+        ModelConfig.from_json(tmp_path)
+
+
+def test_a_config_that_is_not_an_object_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="config.json: expected a JSON object of model keys, "
+                                         "got list"):
+        ModelConfig.from_json(tmp_path)
+
+
+def test_one_known_key_is_enough_and_unknown_keys_name_the_source(caplog):
+    with caplog.at_level(logging.WARNING, logger="dsv4.config"):
+        cfg = ModelConfig.from_dict({"hidden_size": 4096, "foo": 1}, source="x/config.json")
+    assert cfg.dim == 4096
+    assert "x/config.json: ignoring unknown config keys: foo" in caplog.text

@@ -1,6 +1,8 @@
-"""`python -m dsv4 generate` in subprocesses: the tokens it prints, the prefill/decode report,
-prompts, sampling, a checkpoint with a tokenizer, and one-line errors with exit status 2."""
+"""`python -m dsv4 generate`: the tokens it prints, the prefill/decode report, prompts,
+sampling, a checkpoint with a tokenizer (in subprocesses); one-line errors with exit status 2,
+found before the model is built, and the report's wording (in this process)."""
 
+import argparse
 import json
 import os
 import subprocess
@@ -8,6 +10,8 @@ import sys
 
 import pytest
 import torch
+
+from dsv4 import ModelConfig, save_random_checkpoint
 
 KEYS = {"tokens", "ttft_ms", "decode_tokens_per_s", "tokens_per_s", "step_latency_ms_p50",
         "step_latency_ms_p90", "swa_translations_per_step", "graph", "pool_usage"}
@@ -114,8 +118,6 @@ def test_prompts_and_sampling(tmp_path):
 def test_checkpoint_with_a_tokenizer_prints_text(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from dsv4 import ModelConfig, save_random_checkpoint
-
     save_random_checkpoint(ModelConfig.preset("tiny"), tmp_path, seed=1, shards=1)
     vocab = {f"w{i}": i for i in range(512)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
@@ -139,38 +141,143 @@ ERRORS = {  # arguments (and environment) -> the one line expected on stderr
                                "tokenizer"),
     "bad ids": (["--prompt-ids", "1,x"], {}, "error: --prompt-ids must be comma-separated"),
     "too large": (["--preset", "flash"], {}, "error: this run needs about 531."),
+    "prompt too large for the machine": (["--prompt-len", "100000"], {},
+                                         "error: this run needs about "),
     "bad sampling": (["--top-p", "0"], {}, "error: top_p must be in (0, 1], got 0.0"),
 }
 
 
-def test_user_errors_end_in_one_line_and_status_2(tmp_path):
-    from dsv4 import ModelConfig, save_random_checkpoint
+def run_main(capsys, *args):
+    """`python -m dsv4 generate ARGS` in this process: (exit status, stdout, stderr lines)."""
+    from dsv4.cli import main
 
+    rc = main(["generate", "--quiet", *args])
+    out, err = capsys.readouterr()
+    return rc, out, [line for line in err.splitlines() if line.strip()]
+
+
+@pytest.fixture
+def nothing_built(monkeypatch):
+    """A user error must be found before the model is built (no weights, no pool allocated)."""
+    from dsv4 import cli_generate
+
+    def refuse(*args):
+        raise AssertionError("the model was built before the error was found")
+
+    monkeypatch.setattr(cli_generate, "_model", refuse)
+
+
+def test_user_errors_end_in_one_line_and_status_2(tmp_path, capsys, flag_env, nothing_built):
     corrupt = tmp_path / "corrupt"
     corrupt.mkdir()
     (corrupt / "config.json").write_text("{not json")
+    no_model_keys = tmp_path / "foo"
+    no_model_keys.mkdir()
+    (no_model_keys / "config.json").write_text('{"foo": 1}')
     long_ckpt = tmp_path / "ckpt"
-    save_random_checkpoint(ModelConfig.preset("tiny"), long_ckpt, shards=1)
+    long_ckpt.mkdir()
+    (long_ckpt / "config.json").write_text(json.dumps(ModelConfig.preset("tiny").to_dict()))
     cases = dict(ERRORS)
     cases["corrupt config"] = (["--model-path", str(corrupt)], {},
                                f"error: {corrupt}/config.json: not valid JSON (Expecting property")
-    truncated = tmp_path / "truncated"
-    save_random_checkpoint(ModelConfig.preset("tiny"), truncated, shards=1)
-    shard = next(truncated.glob("*.safetensors"))
-    shard.write_bytes(shard.read_bytes()[:100_000])
-    cases["truncated shard"] = (["--model-path", str(truncated)], {},
-                                f"error: {shard}: not a readable safetensors file")
+    cases["config without model keys"] = (
+        ["--model-path", str(no_model_keys)], {},
+        f"error: {no_model_keys}/config.json: no DeepSeek-V4 model key in it (expected keys such "
+        "as dim or hidden_size, n_layers or num_hidden_layers")
     cases["prompt longer than the context"] = (
         ["--model-path", str(long_ckpt), "--prompt-ids", "1,2,3", "--max-new-tokens", "5000"], {},
         "error: a prompt of 3 tokens plus --max-new-tokens 5000 needs 5003 positions; this "
         "model covers 4096")
-    procs = {name: cli("generate", "--quiet", *args, env=clean_env(**env))
-             for name, (args, env, _) in cases.items()}
-    for name, proc in procs.items():
-        out, err = finish(proc, rc=2)
-        lines = [line for line in err.splitlines() if line.strip()]
-        assert len(lines) == 1 and lines[0].startswith(cases[name][2]), (name, err)
-        assert "Traceback" not in err
+    flags_used = {flag for _, env, _ in cases.values() for flag in env}
+    for name, (args, env, expected) in cases.items():
+        flag_env(**{**dict.fromkeys(flags_used), **env})    # None: unset
+        rc, _, err = run_main(capsys, *args)
+        assert rc == 2 and len(err) == 1 and err[0].startswith(expected), (name, err)
+
+
+def test_a_truncated_shard_is_one_line(tmp_path, capsys, flag_env):
+    truncated = tmp_path / "truncated"
+    save_random_checkpoint(ModelConfig.preset("tiny"), truncated, shards=1)
+    shard = next(truncated.glob("*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:100_000])
+    rc, _, err = run_main(capsys, "--model-path", str(truncated))
+    assert rc == 2 and len(err) == 1
+    assert err[0].startswith(f"error: {shard}: not a readable safetensors file")
+
+
+def test_unknown_config_keys_are_one_warning_line(tmp_path, capsys, flag_env, nothing_built):
+    """Read before the estimate and again by the loader, the config warns once, on stderr."""
+    d = {**ModelConfig.preset("tiny").to_dict(), "foo": 1, "bar": 2}
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    rc, _, err = run_main(capsys, "--model-path", str(tmp_path), "--prompt-ids", "1,2,3",
+                          "--max-new-tokens", "5000")
+    assert rc == 2
+    assert err[0] == f"warning: {tmp_path}/config.json: ignoring unknown config keys: bar, foo"
+    assert len(err) == 2 and err[1].startswith("error: a prompt of 3 tokens")
+
+
+def test_the_prefill_is_part_of_the_memory_estimate():
+    from dsv4.memory_estimate import PREFILL_BYTES_PER_ROW, estimate
+
+    tiny = ModelConfig.preset("tiny")          # ratios 4 and 128: 25,004 + 781 rows at 100,016
+    big = estimate(tiny, 4, 100_016, prompt_tokens=400_000)
+    assert big.prefill_bytes == 400_000 * (25_004 + 781) * PREFILL_BYTES_PER_ROW
+    assert big.total_bytes == big.weight_bytes + big.kv_bytes + big.prefill_bytes
+    assert "GiB for the prefill step" in big.describe()
+    assert estimate(tiny, 4, 48).prefill_bytes == 0   # no prompt tokens given: no prefill
+
+
+def report(n_tokens: list[int], passes: int = 1, prefix_cache: bool = False) -> dict:
+    tokens = [[7] * n for n in n_tokens]
+    one = {"prefix_hit_rate": 0.0, "prefix_hit_tokens": 0, "prompt_tokens": 3,
+           "prefill_ms": 1.0, "tokens": tokens}
+    return {"tokens": tokens, "errors": [None] * len(tokens), "graph": False,
+            "graph_backend": None, "device": "cpu", "ttft_ms": 1.0, "decode_steps": 0,
+            "tokens_per_s": 1.0, "swa_translations_per_step": None,
+            "swa_cache_hits_per_step": None, "retractions": 0, "prefix_cache": prefix_cache,
+            "pool_usage": {"full_tokens_peak": 1, "full_tokens": 2, "swa_tokens_peak": 1,
+                           "swa_tokens": 2, "peak_fraction": 0.5},
+            "passes": [{"pass": i, **one} for i in range(passes)]}
+
+
+def test_report_counts_say_one_prompt_and_one_token(capsys):
+    from dsv4.cli_generate import print_report
+
+    print_report(report([1]), 1, None)
+    assert "generated 1 token for 1 prompt on cpu; graphs: no (eager)" in capsys.readouterr().out
+    print_report(report([2, 1]), 2, None)
+    assert "generated 3 tokens for 2 prompts on cpu" in capsys.readouterr().out
+
+
+def test_report_names_the_checkpoint_without_a_tokenizer(capsys):
+    from dsv4.cli_generate import print_report
+
+    print_report(report([1]), 1, None, model_path="/ckpt")
+    out = capsys.readouterr().out
+    assert "(no tokenizer: /ckpt has no tokenizer.json; token ids only)" in out
+    assert "preset" not in out
+    print_report(report([1]), 1, None)
+    assert "the built-in presets have none" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("passes, prefix_cache, lines", [(1, False, 0), (1, True, 1),
+                                                         (2, False, 2)])
+def test_pass_lines_only_where_they_add_something(capsys, passes, prefix_cache, lines):
+    from dsv4.cli_generate import print_report
+
+    print_report(report([1], passes, prefix_cache), 1, None)
+    out = capsys.readouterr().out.splitlines()
+    assert len([line for line in out if line.startswith("pass ")]) == lines
+
+
+def test_every_generate_option_says_its_default():
+    from dsv4.cli import build_parser
+
+    generate = build_parser()._subparsers._group_actions[0].choices["generate"]
+    for action in generate._actions:
+        if action.option_strings and action.default not in (None, False, argparse.SUPPRESS):
+            assert action.help and "default" in action.help, action.option_strings
+    assert "(default 16)" in generate.format_help()
 
 
 def test_debug_shows_the_traceback():

@@ -214,7 +214,7 @@ def load_model(path, device="cpu", dtype: torch.dtype = torch.bfloat16, on_tenso
         raw_config = json.loads((path / "config.json").read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path / 'config.json'}: not valid JSON ({e})") from None
-    config = ModelConfig.from_dict(raw_config)
+    config = ModelConfig.from_dict(raw_config, source=str(path / "config.json"))
     block = fp8_block_size(raw_config)
     files = checkpoint_files(path)
     stored = read_headers(files)
