@@ -358,9 +358,10 @@ def new_record(benchmark: str, args: argparse.Namespace, config: dict) -> dict:
 
 
 def progress(total: int, desc: str, disable: bool = False) -> tqdm:
-    """A progress bar on stderr (stdout stays free for results)."""
-    return tqdm(total=total, desc=desc, file=sys.stderr, disable=disable, dynamic_ncols=True,
-                leave=False)
+    """A progress bar on stderr (stdout stays free for results), only when stderr is a terminal
+    (tqdm's disable=None): a log file or a pipe gets no bar."""
+    return tqdm(total=total, desc=desc, file=sys.stderr, disable=True if disable else None,
+                dynamic_ncols=True, leave=False)
 
 
 def write_json(path: str | os.PathLike, record: dict) -> Path:

@@ -311,6 +311,21 @@ def add_ratios(rows: list[dict]) -> None:
         r["itl_p50_vs_default"] = round(r["itl_ms_p50"] / base, 4) if base else None
 
 
+def summary_lines(rows: list[dict], errors: list[dict]) -> list[str]:
+    """The figures printed after a run, one line per case (the JSON holds the rest)."""
+    width = max([len("config")] + [len(r["config"]) for r in rows])
+    lines = [f"{'config':{width}s} {'batch':>5s} {'context':>7s} {'ITL p50 ms':>10s} "
+             f"{'decode tok/s':>12s} graph"]
+    for r in rows:
+        lines.append(f"{r['config']:{width}s} {r['concurrency']:5d} {r['context_len']:7d} "
+                     f"{r['itl_ms_p50']:10.2f} {r['decode_tokens_per_s']:12.1f} "
+                     f"{'yes' if r['graph_used'] else 'no'}")
+    for e in errors:
+        lines.append(f"error: {e['config']}, concurrency {e['concurrency']}, context "
+                     f"{e['context_len']}: {e['error']}")
+    return lines
+
+
 def parse_args(argv=None):
     gpu = bc.on_gpu()
     p = bc.parser(__doc__.split("\n")[0], "results/bench_decode.json", repetitions=False)
@@ -383,6 +398,7 @@ def main(argv=None) -> dict | None:
     add_ratios(rows)
     record.update(model=model, results=rows, errors=errors)
     bc.write_json(args.out, record)
+    print("\n".join(summary_lines(rows, errors)))
     print(f"wrote {args.out} ({len(rows)} rows, {len(errors)} errors)")
     return record
 

@@ -360,3 +360,26 @@ def test_sglang_plugin_quick_compares_stock_and_plugin(tmp_path):
         if not torch.cuda.is_available():
             assert "only the ROCm K launch ropes q" in rows[(mode, "sglang_stock")]["unavailable"]
     assert rows[("graph", "dsv4_plugin")]["host_syncs_per_step"] == 0
+
+
+def test_bench_decode_prints_its_figures():
+    import bench_decode
+
+    rows = [{"config": "DSV4_GRAPH=0+DSV4_NUMERICS=fp32", "concurrency": 4, "context_len": 32,
+             "itl_ms_p50": 12.345, "decode_tokens_per_s": 258.04, "graph_used": False}]
+    errors = [{"config": "default", "concurrency": 1, "context_len": 32, "error": "boom"}]
+    header, line, error = bench_decode.summary_lines(rows, errors)
+    assert header.split() == ["config", "batch", "context", "ITL", "p50", "ms", "decode",
+                              "tok/s", "graph"]
+    assert line.split() == ["DSV4_GRAPH=0+DSV4_NUMERICS=fp32", "4", "32", "12.35", "258.0", "no"]
+    assert error == "error: default, concurrency 1, context 32: boom"
+
+
+def test_progress_bars_only_on_a_terminal(monkeypatch):
+    import io
+
+    monkeypatch.setattr(sys, "stderr", io.StringIO())       # a pipe or a log file
+    with bc.progress(3, "x") as bar:
+        bar.update()
+    assert sys.stderr.getvalue() == ""
+    assert bc.progress(3, "x", disable=True).disable
