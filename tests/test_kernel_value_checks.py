@@ -1,12 +1,14 @@
-"""DSV4_KERNEL_VALUE_CHECKS: range checks (host syncs) can be switched off for eager GPU decode;
-shape and dtype checks always run."""
+"""KernelOptions.value_checks (DSV4_KERNEL_VALUE_CHECKS): range checks (host syncs) can be
+switched off for eager GPU decode; shape and dtype checks always run."""
 
 import pytest
 import torch
 
 import hip_kernels as hk
+from hip_kernels import KernelOptions
 
 P = 2
+TORCH = KernelOptions(backend="torch")
 
 
 def _args():
@@ -16,35 +18,33 @@ def _args():
 
 
 def test_out_of_range_location_raises_with_checks_on(flag_env):
-    flag_env(DSV4_KERNEL_BACKEND="torch")
     kv, cache = _args()
     with pytest.raises(IndexError, match="out_loc holds location 4"):
-        hk.fused_store_cache(kv, cache, torch.tensor([0, 4]), P)
+        hk.fused_store_cache(kv, cache, torch.tensor([0, 4]), P, options=TORCH)
     assert not cache.any()
 
 
 def test_checks_off_skips_the_range_read_but_not_shape_checks(flag_env, monkeypatch):
-    flag_env(DSV4_KERNEL_BACKEND="torch", DSV4_KERNEL_VALUE_CHECKS="0")
+    unchecked = KernelOptions(backend="torch", value_checks=False)
     kv, cache = _args()
     reads = []
     real_max = torch.Tensor.max
     monkeypatch.setattr(torch.Tensor, "max", lambda self, *a, **k: reads.append(1) or real_max(self, *a, **k))
-    hk.fused_store_cache(kv, cache, torch.tensor([0, 3]), P)
+    hk.fused_store_cache(kv, cache, torch.tensor([0, 3]), P, options=unchecked)
     assert reads == []
     with pytest.raises(ValueError, match="out_loc must have shape"):
-        hk.fused_store_cache(kv, cache, torch.tensor([0, 1, 2]), P)
+        hk.fused_store_cache(kv, cache, torch.tensor([0, 1, 2]), P, options=unchecked)
 
 
 def test_a_slot_written_twice_is_refused_before_any_write(flag_env):
     """Duplicate slots >= 1 in one call would leave backend-dependent bytes; the dummy slot 0
     (shared by padded rows) may repeat."""
-    flag_env(DSV4_KERNEL_BACKEND="torch")
     kv = torch.randn(4, 512).bfloat16()
     cache = torch.zeros(2, hk.page_bytes(P), dtype=torch.uint8)
     with pytest.raises(ValueError, match="out_loc holds slot 3 2 times"):
-        hk.fused_store_cache(kv, cache, torch.tensor([3, 1, 3, -1]), P)
+        hk.fused_store_cache(kv, cache, torch.tensor([3, 1, 3, -1]), P, options=TORCH)
     assert not cache.any()
-    hk.fused_store_cache(kv, cache, torch.tensor([0, 2, 0, -1]), P)   # 0 may repeat
+    hk.fused_store_cache(kv, cache, torch.tensor([0, 2, 0, -1]), P, options=TORCH)  # 0: repeats
     assert cache.any()
     full_to_swa = torch.tensor([0, 2, 2, 3, -1])      # two full locations share SWA slot 2
     cache.zero_()
@@ -52,7 +52,8 @@ def test_a_slot_written_twice_is_refused_before_any_write(flag_env):
         hk.fused_translate_norm_rope_store(kv, torch.ones(512), 1e-6,
                                            torch.ones(8, 32, dtype=torch.complex64),
                                            torch.zeros(4, dtype=torch.int64),
-                                           torch.tensor([1, 2, 3, -1]), full_to_swa, cache, P)
+                                           torch.tensor([1, 2, 3, -1]), full_to_swa, cache, P,
+                                           options=TORCH)
     assert not cache.any()
 
 
@@ -83,15 +84,30 @@ def test_trusted_locations_skip_the_host_reads_but_the_kernel_still_masks(flag_e
     location still cannot write outside the cache (the store masks it)."""
     from hip_kernels.checks import trusted_locations, value_checks_enabled
 
-    flag_env(DSV4_KERNEL_BACKEND="torch")
     kv, cache = _args()
-    assert value_checks_enabled()
+    assert value_checks_enabled(TORCH)
+    assert not value_checks_enabled(KernelOptions(value_checks=False))
     with trusted_locations():
         with trusted_locations():
-            assert not value_checks_enabled()
-        assert not value_checks_enabled()
-        hk.fused_store_cache(kv, cache, torch.tensor([1, 4]), P)    # slot 4: past the cache
-    assert value_checks_enabled()
+            assert not value_checks_enabled(TORCH)
+        assert not value_checks_enabled(TORCH)
+        hk.fused_store_cache(kv, cache, torch.tensor([1, 4]), P, options=TORCH)  # 4: past it
+    assert value_checks_enabled(TORCH)
     assert cache[0, :hk.page_bytes(P) // 2].any()                  # slot 1 was written
     with pytest.raises(IndexError, match="out_loc holds location 4"):
-        hk.fused_store_cache(kv, cache, torch.tensor([1, 4]), P)
+        hk.fused_store_cache(kv, cache, torch.tensor([1, 4]), P, options=TORCH)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(backend="cuda"), r"backend='cuda': expected one of auto\|hip\|triton\|torch"),
+    (dict(aiter="on"), r"aiter='on': expected one of auto\|0\|1"),
+])
+def test_bad_options_are_named(bad, match):
+    with pytest.raises(ValueError, match=match):
+        KernelOptions(**bad)
+    kv, cache = _args()
+    with pytest.raises(TypeError, match="options must be a hip_kernels.KernelOptions, got dict"):
+        hk.fused_store_cache(kv, cache, torch.tensor([0, 1]), P, options=bad)
+    with pytest.raises(ValueError, match="backend='cuda': expected one of"):
+        hk.backend.resolve("fused_store_cache", kv.device, "cuda")
+    assert not cache.any()

@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 import dense_reference as ref
 import hip_kernels
+from hip_kernels import KernelOptions
 from dsv4.checkpoint import load_model, save_random_checkpoint
 from dsv4.config import ModelConfig
 from dsv4.engine import Engine
@@ -87,16 +88,17 @@ def test_a_strided_cache_view_gets_the_bytes_of_a_contiguous_cache_and_no_gap_by
     padding and the gap to the next page) changes. Locations on every page, at both ends of
     each, make a wrong page stride or a wrong scale offset visible. (test_set_kv_store_numerics
     covers fused_k_norm_rope_store without a norm weight this way; this covers every store.)"""
-    flag_env(DSV4_KERNEL_BACKEND=backend, DSV4_FP8_DIALECT="ocp")
-    assert resolve(op, DEV, False) == backend
+    flag_env(DSV4_FP8_DIALECT="ocp")
+    options = KernelOptions(backend=backend)
+    assert resolve(op, DEV, backend, hip_ok=False) == backend
     args = store_args(op)
     dense = to_device(dict(clone_args(args), cache=kv_cache(PAGES, P)), DEV)
-    getattr(hip_kernels, op)(**dense)
+    getattr(hip_kernels, op)(**dense, options=options)
     base = torch.full((PAGES, L.page_bytes(P) + GAP), SENTINEL, dtype=torch.uint8, device=DEV)
     view = base[:, :USED]
     assert not view.is_contiguous() and view.stride(0) == L.page_bytes(P) + GAP
     strided = to_device(dict(clone_args(args), cache=view), DEV)
-    getattr(hip_kernels, op)(**strided)
+    getattr(hip_kernels, op)(**strided, options=options)
     dense_cache, base = dense["cache"].cpu(), base.cpu()
     assert (dense_cache[:, :USED] != SENTINEL).any(1).all()     # rows landed on every page
     assert same_bytes(base[:, :USED], dense_cache[:, :USED])
@@ -130,7 +132,7 @@ def test_sinkhorn_matches_a_float64_restatement_tightly():
     logits = torch.randn(64, 4, 4, generator=gen(11)) * 8
     want = sinkhorn_f64(logits, SINKHORN_ITERS, 1e-6)
     assert (sinkhorn_f64(logits, SINKHORN_ITERS - 2, 1e-6) - want).abs().max() > 1e-3
-    got = mhc_split.sinkhorn_ref(logits, SINKHORN_ITERS, 1e-6)
+    got = mhc_split.sinkhorn_ref(logits, SINKHORN_ITERS, 1e-6, True)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=0)
 

@@ -20,22 +20,21 @@ def test_describe_names_the_backend():
     assert d["backend"] == platform.backend() and d["fp8_dialect"] == platform.fp8_dialect().name
 
 
-def test_a_repeated_slot_message_says_what_may_repeat(flag_env):
-    flag_env(DSV4_KERNEL_BACKEND="torch")
+def test_a_repeated_slot_message_says_what_may_repeat():
     rows = torch.zeros(2, 512, dtype=torch.bfloat16)
     cache = torch.zeros(2, hk.page_bytes(P), dtype=torch.uint8)
     with pytest.raises(ValueError, match=r"holds slot 3 2 times: each slot >= 1 may be written by "
                                          r"one row only \(0, the dummy, may repeat\)"):
-        hk.fused_store_cache(rows, cache, torch.tensor([3, 3]), P)
+        hk.fused_store_cache(rows, cache, torch.tensor([3, 3]), P,
+                             options=hk.KernelOptions(backend="torch"))
 
 
-def test_asking_for_triton_on_a_cpu_says_how(flag_env, monkeypatch):
-    flag_env(DSV4_KERNEL_BACKEND="triton")
+def test_asking_for_triton_on_a_cpu_says_how(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(BackendUnavailable, match=r"\(got device cpu\); on a CPU set "
                                                  r"TRITON_INTERPRET=1 before triton is first "
                                                  r"imported$"):
-        resolve("fused_store_cache", torch.device("cpu"))
+        resolve("fused_store_cache", torch.device("cpu"), "triton")
 
 
 def test_allocator_messages_name_free_index():

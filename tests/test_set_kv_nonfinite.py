@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import hip_kernels
+from hip_kernels import KernelOptions
 from hip_kernels import kv_layout as L
 from hip_kernels import set_kv_ref as R
 from hip_kernels.platform import DIALECTS, FNUZ, OCP, default_device
@@ -78,9 +79,9 @@ def test_normed_rows_with_a_nan_or_inf_are_poisoned_as_the_arithmetic_says(diale
 
 
 def run(flag_env, backend, dialect, op, args):
-    flag_env(DSV4_KERNEL_BACKEND=backend, DSV4_FP8_DIALECT=dialect)
+    flag_env(DSV4_FP8_DIALECT=dialect)
     a = to_device(clone_args(args), DEV)
-    getattr(hip_kernels, op)(**a)
+    getattr(hip_kernels, op)(**a, options=KernelOptions(backend=backend))
     return to_device(a, "cpu")
 
 
@@ -123,16 +124,16 @@ def test_indexer_keys_with_a_nonfinite_value_are_poisoned(flag_env, dialect):
 
 
 @pytest.mark.parametrize("op", OPS + ("indexer_store",))
-def test_the_refuse_flag_raises_before_a_byte_is_written(flag_env, op):
-    flag_env(DSV4_REFUSE_NONFINITE_KV="1")
+def test_the_refuse_option_raises_before_a_byte_is_written(op):
+    refuse = KernelOptions(refuse_nonfinite=True)
     args = indexer_case() if op == "indexer_store" else nonfinite_case(op, P)[0]
     before = args["cache"].clone()
     name = {"fused_store_cache": "rows", "indexer_store": "k"}.get(op, "kv")
     with pytest.raises(ValueError, match=fr"^{name} row 0 holds a NaN or inf"):
-        getattr(hip_kernels, op)(**args)
+        getattr(hip_kernels, op)(**args, options=refuse)
     assert torch.equal(args["cache"], before)
     src = args[name]
     for row in range(3):
         src[row] = 0                                             # finite again: stored
-    getattr(hip_kernels, op)(**args)
+    getattr(hip_kernels, op)(**args, options=refuse)
     assert not torch.equal(args["cache"], before)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import hip_kernels
+from hip_kernels import KernelOptions
 from hip_kernels import kv_layout as L
 from hip_kernels.platform import default_device
 from kv_inputs import bf16_rows, clone_args, gen, indexer_cache, norm_rope_args, to_device
@@ -27,10 +28,12 @@ except ImportError:  # no triton here: the triton cases skip
     pass
 
 
-def use_backend(flag_env, backend, dialect):
+def use_backend(flag_env, backend, dialect) -> KernelOptions:
+    """The options that run `backend`, with `dialect` as the platform's fp8 dialect."""
     if backend == "triton":
         pytest.importorskip("triton")
-    flag_env(DSV4_KERNEL_BACKEND=backend, DSV4_FP8_DIALECT=dialect)
+    flag_env(DSV4_FP8_DIALECT=dialect)
+    return KernelOptions(backend=backend)
 
 
 def bf16(x: np.ndarray) -> np.ndarray:
@@ -71,12 +74,12 @@ def assert_within(got, want, tol, what):
 @pytest.mark.parametrize("dialect", ["fnuz", "ocp"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_norm_rope_store_numerics(flag_env, backend, dialect):
-    use_backend(flag_env, backend, dialect)
+    options = use_backend(flag_env, backend, dialect)
     page_size, n = 64, 16
     args = clone_args(norm_rope_args(11, n, page_size, 3, heads=2))
     q_in = args["q"].float().numpy()
     on_dev = to_device(args, DEV)
-    hip_kernels.fused_k_norm_rope_store(**on_dev)
+    hip_kernels.fused_k_norm_rope_store(**on_dev, options=options)
     args = to_device(on_dev, "cpu")
 
     keep = args["out_loc"] >= 0
@@ -113,13 +116,13 @@ def test_norm_rope_store_numerics(flag_env, backend, dialect):
 @pytest.mark.parametrize("dialect", ["fnuz", "ocp"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_indexer_store_numerics(flag_env, backend, dialect):
-    use_backend(flag_env, backend, dialect)
+    options = use_backend(flag_env, backend, dialect)
     page_size, n = 64, 12
     k = bf16_rows(gen(4), n, L.INDEX_DIM)
     cache = indexer_cache(2, page_size)
     loc = torch.randperm(2 * page_size, generator=gen(5))[:n]
     on_dev = to_device(dict(k=k, cache=cache, out_loc=loc, page_size=page_size), DEV)
-    hip_kernels.indexer_store(**on_dev)
+    hip_kernels.indexer_store(**on_dev, options=options)
     cache = on_dev["cache"].cpu()
     d = hip_kernels.fp8_dialect()
     got = hip_kernels.read_indexer_rows(cache, loc, page_size, d).numpy()

@@ -11,6 +11,7 @@ import torch
 pytest.importorskip("triton")
 
 import hip_kernels  # noqa: E402
+from hip_kernels import KernelOptions  # noqa: E402
 from hip_kernels import kv_layout as L  # noqa: E402
 from hip_kernels import numerics as N  # noqa: E402
 from hip_kernels.backend import resolve  # noqa: E402
@@ -22,6 +23,7 @@ from triton_interp_shim import interpreter_shim  # noqa: E402,F401 (autouse fixt
 
 DEV = default_device()
 HOST = N.StoreNumerics(round_to_bf16=False, q_mode="rope_only")
+TORCH = KernelOptions(backend="torch")
 VARIANTS = {
     "fp32 rows, q rope only": HOST,
     "fnuz max 224": N.StoreNumerics(round_to_bf16=False, fp8_max=224.0, q_mode="rope_only"),
@@ -31,10 +33,10 @@ VARIANTS = {
 
 
 def run(flag_env, backend, dialect, op, args, numerics):
-    flag_env(DSV4_KERNEL_BACKEND=backend, DSV4_FP8_DIALECT=dialect)
-    assert resolve(op, DEV, numerics.is_default) == backend
+    flag_env(DSV4_FP8_DIALECT=dialect)
+    assert resolve(op, DEV, backend, hip_ok=numerics.is_default) == backend
     a = to_device(clone_args(args), DEV)
-    getattr(hip_kernels, op)(**a, numerics=numerics)
+    getattr(hip_kernels, op)(**a, numerics=numerics, options=KernelOptions(backend=backend))
     return to_device(a, "cpu")
 
 
@@ -59,14 +61,13 @@ def test_triton_matches_torch_with_host_numerics(flag_env, name, dialect):
 def test_unrounded_rows_are_quantized_from_fp32(flag_env):
     """round_to_bf16=False: the quantized values are the fp32 norm output, not its bf16 rounding
     (on random rows some fp8 bytes must differ between the two)."""
-    flag_env(DSV4_KERNEL_BACKEND="torch")
     args = norm_rope_args(seed=3, n=16, page_size=16, pages=1)
     args["out_loc"] = torch.arange(16)
     loc = args["out_loc"]
     caches = {}
     for numerics in (N.DEFAULT_NUMERICS, HOST):
         a = clone_args(args)
-        hip_kernels.fused_k_norm_rope_store(**a, numerics=numerics)
+        hip_kernels.fused_k_norm_rope_store(**a, numerics=numerics, options=TORCH)
         caches[numerics.round_to_bf16] = a["cache"]
     x = args["kv"][:, :L.HEAD_DIM].double()
     y = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6) * args["weight"].double()
@@ -85,7 +86,7 @@ def test_fp8_max_and_amax_floor(flag_env, fp8_max, floor):
     """Each tile's scale is 2^ceil(log2(max(amax, floor) / fp8_max)) and no value exceeds fp8_max
     (fnuz). A tile of tiny values shows the floor; a tile holding exactly fp8_max * 2^k shows
     the maximum."""
-    flag_env(DSV4_KERNEL_BACKEND="torch", DSV4_FP8_DIALECT="fnuz")
+    flag_env(DSV4_FP8_DIALECT="fnuz")
     numerics = N.StoreNumerics(fp8_max=fp8_max, amax_floor=floor)
     rows = torch.zeros(2, L.HEAD_DIM)
     rows[0, :64] = 1e-7                      # tile 0: amax below both floors
@@ -105,11 +106,10 @@ def test_fp8_max_and_amax_floor(flag_env, fp8_max, floor):
 def test_q_rope_only_rotates_the_tail_of_every_row(flag_env):
     """q_rope_only: dims 0..447 of q untouched (no norm), dims 448..511 rotated with the
     fma rounding, also for rows whose location is negative (they write no KV)."""
-    flag_env(DSV4_KERNEL_BACKEND="torch")
     args = norm_rope_args(seed=11, n=6, page_size=4, pages=2, heads=3)
     args["out_loc"] = torch.tensor([0, -1, 5, -1, 7, 2])
     a = clone_args(args)
-    hip_kernels.fused_k_norm_rope_store(**a, numerics=HOST)
+    hip_kernels.fused_k_norm_rope_store(**a, numerics=HOST, options=TORCH)
     q0, q1 = args["q"], a["q"]
     assert same_bytes(q1[..., :L.NOPE_DIM], q0[..., :L.NOPE_DIM])
     f = args["freqs_cis"][args["positions"].long()]
@@ -122,13 +122,15 @@ def test_q_rope_only_rotates_the_tail_of_every_row(flag_env):
 
 
 def test_bad_numerics_are_refused_before_a_write(flag_env):
-    flag_env(DSV4_KERNEL_BACKEND="torch", DSV4_FP8_DIALECT="fnuz")
+    flag_env(DSV4_FP8_DIALECT="fnuz")
     args = norm_rope_args(seed=1, n=2, page_size=4, pages=1)
     before = args["cache"].clone()
     with pytest.raises(ValueError, match="fp8_max=448.0 exceeds the fnuz fp8 maximum 240"):
-        hip_kernels.fused_k_norm_rope_store(**args, numerics=N.StoreNumerics(fp8_max=448.0))
+        hip_kernels.fused_k_norm_rope_store(**args, numerics=N.StoreNumerics(fp8_max=448.0),
+                                            options=TORCH)
     with pytest.raises(TypeError, match="numerics must be a hip_kernels.StoreNumerics"):
-        hip_kernels.fused_store_cache(args["kv"], args["cache"], args["out_loc"], 4, numerics={})
+        hip_kernels.fused_store_cache(args["kv"], args["cache"], args["out_loc"], 4, numerics={},
+                                      options=TORCH)
     assert same_bytes(args["cache"], before)
     with pytest.raises(ValueError, match="amax_floor must be > 0"):
         N.StoreNumerics(amax_floor=0.0)
@@ -139,19 +141,18 @@ def test_hip_runs_only_what_it_covers(flag_env, monkeypatch):
     other calls resolve to Triton."""
     import hip_kernels.backend as B
     from hip_kernels.set_kv import _hip_ok
-    flag_env(DSV4_KERNEL_BACKEND="auto")
     monkeypatch.setattr(B, "platform_backend", lambda: "rocm")
     monkeypatch.setattr(B, "hip_available", lambda: True)
     monkeypatch.setattr(B, "triton_usable", lambda device: True)
     gpu = torch.device("cuda")
     cache = kv_cache(2, 4)
-    assert resolve("fused_k_norm_rope_store", gpu, _hip_ok(N.DEFAULT_NUMERICS, cache)) == "hip"
+    assert resolve("fused_k_norm_rope_store", gpu, "auto",
+                   hip_ok=_hip_ok(N.DEFAULT_NUMERICS, cache)) == "hip"
     for ok in (_hip_ok(HOST, cache), _hip_ok(N.DEFAULT_NUMERICS, cache, has_weight=False),
                _hip_ok(N.DEFAULT_NUMERICS, strided_cache(2, 4, gap=576)[0])):
         assert not ok
-        assert resolve("fused_k_norm_rope_store", gpu, ok) == "triton"
-    flag_env(DSV4_KERNEL_BACKEND="hip")
-    assert resolve("fused_store_cache", gpu, False) == "triton"
+        assert resolve("fused_k_norm_rope_store", gpu, "auto", hip_ok=ok) == "triton"
+    assert resolve("fused_store_cache", gpu, "hip", hip_ok=False) == "triton"
 
 
 def strided_cache(pages: int, page_size: int, gap: int, device="cpu"):
@@ -174,11 +175,12 @@ def test_strided_pages_without_kv_norm(flag_env, dialect):
     args = norm_rope_args(seed=21, n=10, page_size=4, pages=4, heads=2)
     args["weight"] = None
     base, q = {}, {}
+    flag_env(DSV4_FP8_DIALECT=dialect)
     for backend in ("torch", "triton"):
-        flag_env(DSV4_KERNEL_BACKEND=backend, DSV4_FP8_DIALECT=dialect)
         view, pages = strided_cache(4, 4, gap=2 * 576, device=DEV)
         a = dict(to_device(clone_args(args), DEV), cache=view)
-        hip_kernels.fused_k_norm_rope_store(**a, numerics=VLLM_LIKE)
+        hip_kernels.fused_k_norm_rope_store(**a, numerics=VLLM_LIKE,
+                                            options=KernelOptions(backend=backend))
         base[backend], q[backend] = pages.cpu(), a["q"].cpu()
     assert same_bytes(base["torch"], base["triton"])
     assert same_bytes(q["torch"], q["triton"])
@@ -190,11 +192,10 @@ def test_strided_pages_without_kv_norm(flag_env, dialect):
 def test_no_kv_norm_stores_the_rotated_input(flag_env):
     """weight=None: the stored row is kv itself with dims 448..511 rotated (fp32, one bf16
     rounding), quantized as the layout says (independent encoder, byte-exact)."""
-    flag_env(DSV4_KERNEL_BACKEND="torch")
     args = norm_rope_args(seed=4, n=5, page_size=8, pages=1)
     args.update(weight=None, out_loc=torch.tensor([0, 3, 7, -1, 5]))
     a = clone_args(args)
-    hip_kernels.fused_k_norm_rope_store(**a)
+    hip_kernels.fused_k_norm_rope_store(**a, options=TORCH)
     f = args["freqs_cis"][args["positions"].long()]
     cos, sin = f.real.numpy(), f.imag.numpy()
     rows = args["kv"][:, :L.HEAD_DIM].float().numpy().copy()
@@ -208,12 +209,11 @@ def test_no_kv_norm_stores_the_rotated_input(flag_env):
 def test_q_norm_rope_fp32_rounds_once(flag_env):
     """q_mode norm_rope_fp32: weightless RMSNorm and RoPE in fp32, one bf16 rounding (an
     independent numpy restatement, bit-exact); differs from the default's two roundings."""
-    flag_env(DSV4_KERNEL_BACKEND="torch")
     args = norm_rope_args(seed=9, n=6, page_size=4, pages=2, heads=3)
     outs = {}
     for numerics in (VLLM_LIKE, N.DEFAULT_NUMERICS):
         a = clone_args(args)
-        hip_kernels.fused_k_norm_rope_store(**a, numerics=numerics)
+        hip_kernels.fused_k_norm_rope_store(**a, numerics=numerics, options=TORCH)
         outs[numerics.q_mode] = a["q"]
     q = args["q"].float().numpy()
     ss = (q.astype("float64") ** 2).sum(-1, keepdims=True)

@@ -16,6 +16,7 @@ import torch
 pytest.importorskip("triton")
 
 import hip_kernels  # noqa: E402
+from hip_kernels import KernelOptions  # noqa: E402
 from hip_kernels import kv_layout as L  # noqa: E402
 from hip_kernels import numerics as N  # noqa: E402
 from hip_kernels.backend import resolve  # noqa: E402
@@ -32,11 +33,11 @@ DIALECTS = ("fnuz", "ocp") if DEV.type == "cpu" or torch.version.hip else ("ocp"
 def run_backends(flag_env, dialect, op, args):
     """{backend: the op's arguments after running it} for the torch and triton backends."""
     results = {}
+    flag_env(DSV4_FP8_DIALECT=dialect)
     for backend in ("torch", "triton"):
-        flag_env(DSV4_KERNEL_BACKEND=backend, DSV4_FP8_DIALECT=dialect)
-        assert resolve(op, DEV) == backend
+        assert resolve(op, DEV, backend) == backend
         a = to_device(clone_args(args), DEV)
-        getattr(hip_kernels, op)(**a)
+        getattr(hip_kernels, op)(**a, options=KernelOptions(backend=backend))
         results[backend] = to_device(a, "cpu")
     return results
 
@@ -199,18 +200,20 @@ def test_indexer_store(flag_env, dialect, page_size, n, dtype):
 
 @pytest.mark.parametrize("dialect", DIALECTS)
 def test_all_rows_skipped_write_nothing(flag_env, dialect):
-    flag_env(DSV4_KERNEL_BACKEND="triton", DSV4_FP8_DIALECT=dialect)
+    flag_env(DSV4_FP8_DIALECT=dialect)
+    triton = KernelOptions(backend="triton")
     args = norm_rope_args(3, 6, 64, 2, heads=1)
     args["out_loc"][:] = -1
     a = to_device(clone_args(args), DEV)
-    hip_kernels.fused_k_norm_rope_store(**a)
+    hip_kernels.fused_k_norm_rope_store(**a, options=triton)
     assert bool((a["cache"] == SENTINEL).all())
     assert not same_bytes(a["q"].cpu(), args["q"]), "q is normalized even for skipped rows"
     rows = bf16_rows(gen(1), 6, L.HEAD_DIM).to(DEV)
     skip = torch.full((6,), -1, device=DEV)
     cache, icache = kv_cache(2, 64).to(DEV), indexer_cache(2, 64).to(DEV)
-    hip_kernels.fused_store_cache(rows, cache, skip, 64)
-    hip_kernels.indexer_store(rows[:, :L.INDEX_DIM].contiguous(), icache, skip, 64)
+    hip_kernels.fused_store_cache(rows, cache, skip, 64, options=triton)
+    hip_kernels.indexer_store(rows[:, :L.INDEX_DIM].contiguous(), icache, skip, 64,
+                              options=triton)
     assert bool((cache == SENTINEL).all()) and bool((icache == SENTINEL).all())
 
 
@@ -224,16 +227,14 @@ def test_empty_batch(flag_env, dialect):
 
 
 @pytest.mark.skipif(DEV.type != "cpu", reason="CPU dispatch")
-def test_triton_backend_on_cpu_needs_the_interpreter(flag_env):
-    flag_env(DSV4_KERNEL_BACKEND="triton")
-    assert resolve("fused_store_cache", DEV) == "triton"      # TRITON_INTERPRET=1 in this process
-    flag_env(DSV4_KERNEL_BACKEND="auto")
-    assert resolve("fused_store_cache", DEV) == "torch"
+def test_triton_backend_on_cpu_needs_the_interpreter():
+    assert resolve("fused_store_cache", DEV, "triton") == "triton"   # TRITON_INTERPRET=1 here
+    assert resolve("fused_store_cache", DEV, "auto") == "torch"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["DSV4_KERNEL_BACKEND"] = "triton"
     code = ("import torch, hip_kernels as hk\n"
             "try:\n    hk.fused_store_cache(torch.zeros(1, 512, dtype=torch.bfloat16),"
-            " torch.zeros(1, 1152, dtype=torch.uint8), torch.tensor([0]), 1)\n"
+            " torch.zeros(1, 1152, dtype=torch.uint8), torch.tensor([0]), 1,"
+            " options=hk.KernelOptions(backend='triton'))\n"
             "except Exception as e:\n    print(type(e).__name__, e)\n")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=120)
@@ -243,11 +244,11 @@ def test_triton_backend_on_cpu_needs_the_interpreter(flag_env):
 @pytest.mark.parametrize("op", ["fused_k_norm_rope_store", "fused_store_cache",
                                 "fused_translate_norm_rope_store"])
 def test_slots_past_the_cache_are_masked_in_the_kernel(flag_env, op):
-    """DSV4_KERNEL_VALUE_CHECKS=0: nothing checks the slots on the host, and a slot past the
+    """value_checks=False: nothing checks the slots on the host, and a slot past the
     cache (or a full location past the map) still writes nothing, in Triton as in torch."""
     from set_kv_cases import make_case
 
-    flag_env(DSV4_KERNEL_VALUE_CHECKS="0")
+    flag_env(DSV4_FP8_DIALECT=DIALECTS[0])
     args = make_case(op, 3, 6, 4, 2, 0, torch.int64, torch.bfloat16)
     # the cache is the first 2 of 3 pages: an unmasked write to slot 8 would land in the third
     base = torch.full((3, L.page_bytes(4)), 0x5A, dtype=torch.uint8, device=DEV)
@@ -259,10 +260,9 @@ def test_slots_past_the_cache_are_masked_in_the_kernel(flag_env, op):
         args["out_loc"][0], args["out_loc"][1] = 8, 1 << 40
     results = {}
     for backend in ("torch", "triton"):
-        flag_env(DSV4_KERNEL_BACKEND=backend, DSV4_FP8_DIALECT=DIALECTS[0])
         base[:] = 0x5A
         a = dict(to_device(clone_args(args), DEV), cache=base[:2])
-        getattr(hip_kernels, op)(**a)
+        getattr(hip_kernels, op)(**a, options=KernelOptions(backend=backend, value_checks=False))
         assert (base[2] == 0x5A).all(), f"{backend} wrote past the cache"
         results[backend] = dict(to_device(a, "cpu"), cache=base[:2].clone().cpu())
     assert_same(results, *[k for k in ("cache", "swa_loc_out") if k in args])
@@ -315,10 +315,10 @@ def test_translate_with_q_stores_what_the_plain_store_does(flag_env, numerics):
     plain["out_loc"] = torch.where(swa > 0, swa, -1)
     got, want = {}, {}
     for backend in ("torch", "triton"):
-        flag_env(DSV4_KERNEL_BACKEND=backend)
+        options = KernelOptions(backend=backend)
         a, p = to_device(clone_args(args), DEV), to_device(clone_args(plain), DEV)
-        hip_kernels.fused_translate_norm_rope_store(**a, numerics=numerics)
-        hip_kernels.fused_k_norm_rope_store(**p, numerics=numerics)
+        hip_kernels.fused_translate_norm_rope_store(**a, numerics=numerics, options=options)
+        hip_kernels.fused_k_norm_rope_store(**p, numerics=numerics, options=options)
         got[backend], want[backend] = to_device(a, "cpu"), to_device(p, "cpu")
         for name in ("cache", "q"):
             assert same_bytes(got[backend][name], want[backend][name]), (backend, name)

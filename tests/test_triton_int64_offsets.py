@@ -15,6 +15,7 @@ triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
 import hip_kernels  # noqa: E402
+from hip_kernels import KernelOptions  # noqa: E402
 from hip_kernels import kv_layout as L  # noqa: E402
 from hip_kernels.platform import default_device  # noqa: E402
 from hip_kernels.triton_kv_row import (indexer_offsets, kv_scale_offset,  # noqa: E402
@@ -97,7 +98,7 @@ def test_kernels_write_past_4gib(flag_env, op, loc_dtype):
     page_bytes = layout_bytes(page_size)
     results = {}
     for backend in ("torch", "triton"):
-        flag_env(DSV4_KERNEL_BACKEND=backend, DSV4_FP8_DIALECT="fnuz")
+        flag_env(DSV4_FP8_DIALECT="fnuz")
         keep, cache = huge_zero_cache(page_size, TWO_32, page_bytes)
         loc = far_locations(page_size, page_bytes, cache.shape[0] * page_size, loc_dtype)
         if op == "fused_k_norm_rope_store":
@@ -107,7 +108,7 @@ def test_kernels_write_past_4gib(flag_env, op, loc_dtype):
         else:
             args = dict(k=bf16_rows(gen(5), len(loc), L.INDEX_DIM).to(DEV), cache=cache,
                         out_loc=loc.to(DEV), page_size=page_size)
-        getattr(hip_kernels, op)(**args)
+        getattr(hip_kernels, op)(**args, options=KernelOptions(backend=backend))
         results[backend] = written_pages(cache, loc, page_size)
         del keep, cache, args
     torch_pages, triton_pages = results["torch"], results["triton"]
