@@ -1,17 +1,9 @@
 """The rounding the kernels run: the model's numerics modes, and `StoreNumerics`, the rounding
 policy of a set-KV store.
 
-The modes (`MODES`; a caller picks one, e.g. from `DSV4_NUMERICS`, and passes it down):
-
-- "reference" (the default): every rounding point follows DeepSeek-V4's reference inference code:
-  the q RMSNorm op by op in bf16, the kv RMSNorm's mean of squares summed in fp32, the Hadamard
-  rotation as fp32 butterflies with one rounding, the indexer's scores in bf16, the sparse
-  attention in 64-row blocks with bf16 probabilities, the Sinkhorn's first row normalisation a
-  true division. Eager decode then gives the reference's bits for the same batch, and, like the
-  reference, a request's logits depend slightly on the batch it shares (bf16 GEMM shapes).
-- "fp32": the intermediates of those points stay fp32 and the norms sum exactly, so a request's
-  logits are stable across batch compositions within fp32 tolerances, and every set-KV backend
-  writes the same bytes for any input.
+The modes (`MODES`: "reference", the default, rounds where DeepSeek-V4's reference inference
+code rounds; "fp32" keeps those points in fp32; a caller picks one, e.g. from `DSV4_NUMERICS`, and
+passes it down): the rounding points of each are listed in docs/numerics.md.
 """
 
 from __future__ import annotations
