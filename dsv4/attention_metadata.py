@@ -14,6 +14,9 @@ For each new token (a query) it says which KV rows it attends and where they liv
   and the ring row each new token's (kv, score) goes to (-1: not kept, only the last ring_size
   positions of a request are).
 
+The step's ``Options`` ride along (``meta.options``): every layer reads its numerics mode, its
+kernel options and its prepare mode from there, never from the environment.
+
 Decode metadata is built with tensor ops only (no host synchronization, shapes fixed by
 ``max_context_len``), so it can be captured into a graph with the step.
 """
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from .forward_batch import ForwardBatch
+from .options import Options
 
 
 @dataclass
@@ -51,6 +55,7 @@ class AttentionMetadata:
     swa_write_loc: torch.Tensor | None  # [N] SWA slot each new token's KV row is stored at
     #                                     (int32, = window_loc[:, -1]); None: the store kernels
     #                                     translate out_cache_loc themselves
+    options: Options                    # what the step computes with (numerics, kernels, ...)
 
 
 def state_ring_rows(req_slots: torch.Tensor, positions: torch.Tensor,
@@ -61,8 +66,7 @@ def state_ring_rows(req_slots: torch.Tensor, positions: torch.Tensor,
 
 def build_attention_metadata(batch: ForwardBatch, req_to_token: torch.Tensor,
                              full_to_swa: torch.Tensor, swa_write_loc: torch.Tensor | None,
-                             window: int,
-                             ratios: dict[int, int],
+                             window: int, ratios: dict[int, int], options: Options,
                              max_rows: dict[int, int] | None = None) -> AttentionMetadata:
     """``full_to_swa`` is the allocator's mapping tensor: the window's older slots are gathered
     through it directly; ``swa_write_loc`` [N] is the SWA slot of each new token (the pool's
@@ -99,7 +103,7 @@ def build_attention_metadata(batch: ForwardBatch, req_to_token: torch.Tensor,
         n_rows = None if max_rows is None else max_rows.get(ratio)
         plans[ratio] = _compress_plan(batch, ratio, ring, pos, req, seq_len, first_new, full_loc,
                                       n_rows)
-    return AttentionMetadata(pos, window_loc, window_valid, plans, swa_write_loc)
+    return AttentionMetadata(pos, window_loc, window_valid, plans, swa_write_loc, options)
 
 
 def _compress_plan(batch, ratio, ring, pos, req, seq_len, first_new, full_loc, n_rows):

@@ -1,6 +1,7 @@
 """What one forward step reads: the batch of new tokens.
 
-``ForwardBatch`` carries the per-row tensors of a step (flattened over requests, request by
+``ForwardBatch`` carries the per-row tensors of a step, as input only (nothing is written back
+into it) (flattened over requests, request by
 request, positions consecutive within a request); where the requests' tokens live is
 ``mem_pool.ReqToTokenPool``.
 """
@@ -33,11 +34,6 @@ class ForwardBatch:
     # pool only the tokens that close a window, chosen without a device read. Without them
     # (captured decode graphs) every decode token pools and only boundary rows are stored.
     host_positions: list[int] | None = None
-    # Extend only: batch token indices whose ratio-4 compressor (kv, score) rows the forward
-    # hands back in ``captured_states`` (table name -> layer -> rows [K, width]), so a caller can
-    # rebuild a request's state ring at a page boundary inside the step (the prefix cache).
-    capture_state_rows: torch.Tensor | None = None
-    captured_states: dict[str, dict[int, torch.Tensor]] | None = None
 
     @property
     def batch_size(self) -> int:

@@ -2,7 +2,8 @@
 forward over the paged KV caches of ``mem_pool``.
 
 One step (``DeepseekV4Model.forward``): attention metadata is built once from the batch (with the
-pool's SWA translation of ``out_cache_loc``, once for all layers); then each
+pool's SWA translation of ``out_cache_loc``, once for all layers, and the step's ``Options``);
+then each
 ``DeepseekV4DecoderLayer`` runs mHC pre, its ``PagedAttention`` (Q/KV projections, the window KV
 store at the step's SWA write slots, the compressors, the sparse attention over window +
 compressed rows: ``dsv4.paged_attention``), mHC post, and the MoE half.
@@ -17,7 +18,6 @@ from torch import nn
 
 from mem_pool.kv_cache_spec import STATE_RING
 
-from . import envs
 from .attention_metadata import AttentionMetadata, build_attention_metadata
 from .config import ModelConfig
 from .forward_batch import ForwardBatch
@@ -27,7 +27,8 @@ from .layers.linear import Linear
 from .layers.moe import MoE
 from .layers.norm import RMSNorm
 from .layers.rope import layer_freqs_cis
-from .paged_attention import PagedAttention
+from .options import Options
+from .paged_attention import PagedAttention, RingRowCapture
 
 logger = logging.getLogger(__name__)
 
@@ -70,21 +71,26 @@ class DeepseekV4DecoderLayer(nn.Module):
     # ---- paged execution ----------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, meta: AttentionMetadata,
-                token_to_kv_pool, freqs_cis: torch.Tensor, multi_stream: bool = False
-                ) -> torch.Tensor:
+                token_to_kv_pool, freqs_cis: torch.Tensor,
+                ring_capture: RingRowCapture | None = None) -> torch.Tensor:
         """Hidden copies [N, hc, dim] -> the same after this layer; freqs_cis: the layer's table."""
         y, post, comb = self.attn_input(x)
-        out = self.paged(y, batch, meta, token_to_kv_pool, freqs_cis, multi_stream)
+        out = self.paged(y, batch, meta, token_to_kv_pool, freqs_cis, ring_capture)
         x = mhc.hc_post(out, x, post, comb)
         return self.ffn_block(x, batch.input_ids)
 
 
 class DeepseekV4Model(nn.Module):
+    """options: what a forward computes with when its caller gives none (numerics, kernels,
+    fused translation, multi-stream prepare); None reads the DSV4_* flags once, now, when the
+    model is made (``Options.from_env()``): a flag changed later does not reach this model."""
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.bfloat16, device=None,
-                 max_seq_len: int = 4096):
+                 max_seq_len: int = 4096, options: Options | None = None):
         super().__init__()
         config.validate()
         self.config = config
+        self.options = Options.from_env() if options is None else options
         self.dtype = dtype
         self.max_seq_len = max_seq_len
         self.embed = nn.Embedding(config.vocab_size, config.dim, dtype=dtype, device=device)
@@ -117,20 +123,22 @@ class DeepseekV4Model(nn.Module):
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, token_to_kv_pool, req_to_token: torch.Tensor,
                 all_logits: bool = False, max_rows: dict[int, int] | None = None,
-                multi_stream: bool | None = None) -> torch.Tensor:
+                options: Options | None = None,
+                ring_capture: RingRowCapture | None = None) -> torch.Tensor:
         """One step over the paged caches: fp32 logits of each request's last new token [B, V]
         (of every new token [N, V] with all_logits). max_rows fixes the compressed rows per query
-        per ratio (needed under graph capture; default: the batch's maximum)."""
-        if multi_stream is None:
-            multi_stream = envs.MULTI_STREAM_PREPARE.get()
-        swa_write_loc = (None if envs.FUSED_SWA_TRANSLATE.get()
+        per ratio (needed under graph capture; default: the batch's maximum). options: this
+        step's (default: the model's). ring_capture (extend): the ratio-4 ring rows it names are
+        handed back in its ``states``."""
+        options = self.options if options is None else options
+        swa_write_loc = (None if options.fused_swa_translate
                          else token_to_kv_pool.get_cached_swa_loc(batch.out_cache_loc))
         meta = build_attention_metadata(
             batch, req_to_token, token_to_kv_pool.full_to_swa_index_mapping, swa_write_loc,
-            self.config.window_size, self.compress_ratios(), max_rows)
+            self.config.window_size, self.compress_ratios(), options, max_rows)
         x = self.embed_tokens(batch.input_ids)
         for layer in self.layers:
-            x = layer(x, batch, meta, token_to_kv_pool, self.layer_freqs(layer), multi_stream)
+            x = layer(x, batch, meta, token_to_kv_pool, self.layer_freqs(layer), ring_capture)
         if not all_logits and not batch.is_decode:
             x = x[torch.cumsum(batch.extend_seq_lens.long(), 0) - 1]
         return self.logits(x)

@@ -2,17 +2,19 @@
 layer's views of the pool once, stores the window KV row at the step's SWA write slot, runs the
 compressors (on side streams when asked), the indexer selection, the gather of the window and
 compressed rows and the sparse attention. The math lives in ``dsv4.layers``; this file moves rows
-between it and the caches, following the step's ``AttentionMetadata``.
+between it and the caches, following the step's ``AttentionMetadata`` (whose ``options`` say
+the numerics, the kernels' options and the prepare mode). Every store is one ``hip_kernels`` call
+on the layer's buffer.
 """
 
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from hip_kernels import kv_layout, numerics, set_kv
+from hip_kernels import kv_layout, set_kv
 from hip_kernels.decode_attention import sparse_decode_attention
 from hip_kernels.indexer_scores import indexer_scores
 
@@ -58,12 +60,27 @@ def _rows(state: torch.Tensor) -> torch.Tensor:
     return state.view(-1, state.shape[-1])
 
 
+@dataclass
+class RingRowCapture:
+    """An extend's request for ratio-4 compressor ring rows (the prefix cache rebuilds a
+    request's rings at a page boundary from them): ``rows``, the batch token indices to hand
+    back; ``states``, filled by the forward: table name ("compressor_state",
+    "indexer_compressor_state") -> layer -> rows [len(rows), 2 * width]."""
+    rows: torch.Tensor
+    states: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
+
+    def keep(self, table: str, layer_id: int, new: torch.Tensor) -> None:
+        self.states.setdefault(table, {})[layer_id] = new[self.rows].clone()
+
+
 def run_compressor(comp: Compressor, x: torch.Tensor, positions: torch.Tensor, plan: CompressPlan,
-                   state: torch.Tensor, store, freqs_cis: torch.Tensor) -> torch.Tensor:
+                   state: torch.Tensor, store, freqs_cis: torch.Tensor,
+                   reference: bool) -> torch.Tensor:
     """One step of a compressor: pool every candidate's window (rows from the state ring or from
     this step), emit the boundary rows through ``store(rows, loc)`` (negative loc = skip), then
-    keep this step's (kv, score) rows in the ring. state: fp32 [ring rows, 2 * width]. Returns
-    this step's (kv, score) rows [N, 2 * width], the rows a ring would keep."""
+    keep this step's (kv, score) rows in the ring. state: fp32 [ring rows, 2 * width];
+    reference: the reference numerics. Returns this step's (kv, score) rows [N, 2 * width], the
+    rows a ring would keep."""
     kv, score = comp.project(x, positions)
     width = kv.shape[1]
     new = torch.cat([kv, score], 1)
@@ -72,7 +89,7 @@ def run_compressor(comp: Compressor, x: torch.Tensor, positions: torch.Tensor, p
         rows = torch.where(from_new, new[plan.src_new.clamp(min=0)],
                            state[plan.src_state.clamp(min=0)])
         pooled = comp.pool(rows[..., :width], rows[..., width:], plan.has_prev)
-        out = comp.finish(pooled, freqs_cis[plan.window_start.clamp(min=0)], x.dtype)
+        out = comp.finish(pooled, freqs_cis[plan.window_start.clamp(min=0)], x.dtype, reference)
         store(out.contiguous(), plan.emit_loc)
     keep = plan.state_write >= 0
     state.index_copy_(0, torch.where(keep, plan.state_write, state.shape[0] - 1), new)
@@ -80,11 +97,11 @@ def run_compressor(comp: Compressor, x: torch.Tensor, positions: torch.Tensor, p
 
 
 def select_rows(indexer: Indexer, qr, x, freqs, plan: CompressPlan, rows: slice, cache,
-                page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+                page_size: int, reference: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(compressed locations [n, k], valid [n, k]) the indexer keeps for the queries in rows.
     The scores are one op reading the FP8 key cache in place (a Triton kernel on a GPU)."""
-    q = indexer.project_q(qr, freqs)
-    w = indexer.head_weights(x)
+    q = indexer.project_q(qr, freqs, reference)
+    w = indexer.head_weights(x, reference)
     loc, visible = plan.row_loc[rows], plan.row_valid[rows]
     pick = indexer.select(indexer_scores(q, w, cache, loc, visible, page_size), visible)
     return loc.gather(1, pick.clamp(min=0)), pick >= 0
@@ -103,6 +120,7 @@ def attend(attn: Attention, q: torch.Tensor, qr: torch.Tensor, x: torch.Tensor,
     layer's ``LayerCaches``. Decode: one op reading the FP8 rows in place
     (``hip_kernels.sparse_decode_attention``, a Triton kernel on a GPU). Extend: each distinct
     row is dequantized once for all the queries of a chunk, then the same math."""
+    reference = meta.options.reference
     n = q.shape[0]
     chunk = n if decode or n <= EXTEND_CHUNK else EXTEND_CHUNK
     outs = []
@@ -114,22 +132,21 @@ def attend(attn: Attention, q: torch.Tensor, qr: torch.Tensor, x: torch.Tensor,
             plan = meta.plans[attn.ratio]
             if attn.indexer is not None:
                 comp = select_rows(attn.indexer, qr[rows], x[rows], freqs[rows], plan, rows,
-                                   caches.index, caches.index_page_size)
+                                   caches.index, caches.index_page_size, reference)
             else:
                 comp = plan.row_loc[rows], plan.row_valid[rows]
         if decode:
             o = sparse_decode_attention(
                 q[rows], caches.swa, *window, caches.swa_page_size,
                 caches.compressed if comp else None, *(comp or (None, None)),
-                caches.compressed_page_size, attn.attn_sink, attn.softmax_scale,
-                numerics.is_reference())
+                caches.compressed_page_size, attn.attn_sink, attn.softmax_scale, reference)
         else:
             kv = [read_kv_shared(caches.swa, window[0], caches.swa_page_size)]
             valid = [window[1]]
             if comp:
                 kv.append(read_kv_shared(caches.compressed, comp[0], caches.compressed_page_size))
                 valid.append(comp[1])
-            o = attn.sparse_attention(q[rows], kv, valid)
+            o = attn.sparse_attention(q[rows], kv, valid, reference)
         outs.append(attn.project_out(o, freqs[rows]))
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
@@ -153,7 +170,7 @@ class PagedAttention:
 
     ``__call__`` runs the whole attention half of a step: prepare (Q projection; the window KV
     row normed, rotated and stored at ``meta.swa_write_loc``, fused with q's norm and RoPE; the
-    compressors), then ``attend``. The layer's ``LayerCaches`` are made when it first sees a
+    compressors; on side streams with ``meta.options.multi_stream_prepare``), then ``attend``. The layer's ``LayerCaches`` are made when it first sees a
     pool and kept while it is that pool (a pool allocates its buffers once)."""
 
     def __init__(self, attn: Attention):
@@ -171,41 +188,45 @@ class PagedAttention:
         return bound[1]
 
     def __call__(self, y: torch.Tensor, batch, meta: AttentionMetadata, pool,
-                 freqs_cis: torch.Tensor, multi_stream: bool = False) -> torch.Tensor:
+                 freqs_cis: torch.Tensor, ring_capture: RingRowCapture | None = None
+                 ) -> torch.Tensor:
         """Attention output [N, dim] of the normed hidden states y [N, dim]; freqs_cis: the
-        layer's RoPE table."""
+        layer's RoPE table; ring_capture: where the ratio-4 ring rows it asks for go."""
         caches = self.caches(pool)
+        multi_stream = meta.options.multi_stream_prepare
         prepare = self.prepare_multi_stream if multi_stream else self.prepare
-        q, qr = prepare(y, batch, meta, pool, caches, freqs_cis)
+        q, qr = prepare(y, batch, meta, pool, caches, freqs_cis, ring_capture)
         freqs = freqs_cis[batch.positions.long()]
         return attend(self.attn, q, qr, y, freqs, meta, caches, batch.is_decode)
 
-    def project_q_store_kv(self, y, batch, meta, pool, freqs_cis):
-        """(q, qr): Q projection; window KV norm + RoPE + FP8 store at the step's SWA write
-        slots (or, when the metadata has none, at out_cache_loc translated inside the store
-        kernel), fused with q's weightless norm + RoPE (in place)."""
+    def project_q_store_kv(self, y, batch, meta, pool, caches, freqs_cis):
+        """(q, qr): Q projection; window KV norm + RoPE + FP8 store into the layer's SWA buffer
+        at the step's SWA write slots (or, when the metadata has none, at out_cache_loc
+        translated inside the store kernel through the pool's mapping), fused with q's
+        weightless norm + RoPE (in place)."""
         q, qr = self.attn.project_q(y)
         kv = self.attn.project_kv(y)
         args = (kv, self.attn.kv_norm.weight, self.attn.eps, freqs_cis, batch.positions)
+        numerics = meta.options.store_numerics
         if meta.swa_write_loc is None:
-            pool.set_swa_key_buffer_fused_translate_norm_rope(
-                self.layer_id, batch.out_cache_loc, *args, q=q,
-                numerics=numerics.store_numerics())
+            set_kv.fused_translate_norm_rope_store(
+                *args, batch.out_cache_loc, pool.registered_mapping(), caches.swa,
+                caches.swa_page_size, q=q, numerics=numerics)
         else:
-            pool.set_swa_key_buffer_radix_fused_norm_rope(
-                self.layer_id, meta.swa_write_loc, *args, q=q, numerics=numerics.store_numerics())
+            set_kv.fused_k_norm_rope_store(*args, meta.swa_write_loc, caches.swa,
+                                           caches.swa_page_size, q=q, numerics=numerics)
         return q, qr
 
-    def prepare(self, y, batch, meta, pool, caches, freqs_cis):
+    def prepare(self, y, batch, meta, pool, caches, freqs_cis, ring_capture=None):
         """Everything on the current stream: Q, window KV store, compressors. (q, qr)."""
-        q, qr = self.project_q_store_kv(y, batch, meta, pool, freqs_cis)
+        q, qr = self.project_q_store_kv(y, batch, meta, pool, caches, freqs_cis)
         if self.ratio:
-            self._run_compressor(y, batch, meta, caches, freqs_cis)
+            self._run_compressor(y, batch, meta, caches, freqs_cis, ring_capture)
         if self.attn.indexer is not None:
-            self._run_indexer_compressor(y, batch, meta, caches, freqs_cis)
+            self._run_indexer_compressor(y, batch, meta, caches, freqs_cis, ring_capture)
         return q, qr
 
-    def prepare_multi_stream(self, y, batch, meta, pool, caches, freqs_cis):
+    def prepare_multi_stream(self, y, batch, meta, pool, caches, freqs_cis, ring_capture=None):
         """The compressors on side streams, Q/KV and the window store on the main stream, joined
         before the indexer scoring and the attention. Same results as ``prepare``."""
         main = streams.current_stream(y.device)
@@ -214,11 +235,11 @@ class PagedAttention:
             s.wait_stream(main)                       # y is ready
         if self.ratio:
             with streams.on_stream(side[0]):
-                self._run_compressor(y, batch, meta, caches, freqs_cis)
+                self._run_compressor(y, batch, meta, caches, freqs_cis, ring_capture)
         if self.attn.indexer is not None:
             with streams.on_stream(side[1]):
-                self._run_indexer_compressor(y, batch, meta, caches, freqs_cis)
-        q, qr = self.project_q_store_kv(y, batch, meta, pool, freqs_cis)
+                self._run_indexer_compressor(y, batch, meta, caches, freqs_cis, ring_capture)
+        q, qr = self.project_q_store_kv(y, batch, meta, pool, caches, freqs_cis)
         for s in side:
             main.wait_stream(s)
         return q, qr
@@ -228,22 +249,16 @@ class PagedAttention:
             self._streams = (streams.new_stream(device), streams.new_stream(device))
         return self._streams
 
-    def _run_compressor(self, y, batch, meta, caches, freqs_cis):
+    def _run_compressor(self, y, batch, meta, caches, freqs_cis, ring_capture):
         new = run_compressor(self.attn.compressor, y, batch.positions, meta.plans[self.ratio],
-                             caches.state, store_compressed(caches), freqs_cis)
-        if self.ratio == 4:
-            _capture_state(batch, "compressor_state", self.layer_id, new)
+                             caches.state, store_compressed(caches), freqs_cis,
+                             meta.options.reference)
+        if self.ratio == 4 and ring_capture is not None:
+            ring_capture.keep("compressor_state", self.layer_id, new)
 
-    def _run_indexer_compressor(self, y, batch, meta, caches, freqs_cis):
+    def _run_indexer_compressor(self, y, batch, meta, caches, freqs_cis, ring_capture):
         new = run_compressor(self.attn.indexer.compressor, y, batch.positions, meta.plans[4],
-                             caches.index_state, store_index_keys(caches), freqs_cis)
-        _capture_state(batch, "indexer_compressor_state", self.layer_id, new)
-
-
-def _capture_state(batch, table: str, layer_id: int, new: torch.Tensor) -> None:
-    """Hand back the ratio-4 ring rows the caller asked for (batch.capture_state_rows)."""
-    if batch.capture_state_rows is None:
-        return
-    if batch.captured_states is None:
-        batch.captured_states = {}
-    batch.captured_states.setdefault(table, {})[layer_id] = new[batch.capture_state_rows].clone()
+                             caches.index_state, store_index_keys(caches), freqs_cis,
+                             meta.options.reference)
+        if ring_capture is not None:
+            ring_capture.keep("indexer_compressor_state", self.layer_id, new)

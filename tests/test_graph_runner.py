@@ -2,19 +2,22 @@
 obtained from an identity-keyed location cache, a window read through req_to_token -> full -> SWA,
 padded rows on the dummy slot."""
 
+import dataclasses
 import functools
 
 import pytest
 import torch
 
-from dsv4 import envs
 from dsv4.graphs import GraphCaptureError, GraphFlagChanged, GraphRunner, currently_capturing
 from dsv4.graphs.backend import CUDA, EMULATE, select_backend
 from dsv4.graphs.runner import capture_batch_sizes
+from dsv4.options import Options
+from hip_kernels.options import KernelOptions
 
 SENTINEL = -7.0
 N_LAYERS, DIM, WINDOW, MAX_LEN, N_REQS, VOCAB = 3, 4, 4, 16, 9, 50
 INPUT_NAMES = ("input_ids", "positions", "seq_lens", "req_pool_indices", "out_cache_loc")
+OPTIONS = Options()
 BACKENDS = [pytest.param(EMULATE, id="emulate"),
             pytest.param(CUDA, id="cuda", marks=pytest.mark.gpu)]
 
@@ -96,7 +99,7 @@ def make_runner(pool, backend=EMULATE, max_batch=8, invalidate=True, step=None, 
         step or (lambda inp: toy_step(pool, w, inp)),
         lambda n: {name: torch.zeros(n, dtype=torch.long, device=device) for name in INPUT_NAMES},
         max_batch, invalidate_fn=pool.invalidate_loc_cache if invalidate else (lambda: None),
-        backend=backend, **kwargs)
+        backend=backend, **{"options": OPTIONS, **kwargs})
 
 
 def graph_vs_eager(prompt_lens, backend=EMULATE, steps=3, invalidate=True, device="cpu"):
@@ -109,7 +112,7 @@ def graph_vs_eager(prompt_lens, backend=EMULATE, steps=3, invalidate=True, devic
     graph_out, eager_out = [], []
     for step in range(steps):
         batch = decode_batch(prompt_lens, step, device)
-        graph_out.append(runner.replay(batch).clone())
+        graph_out.append(runner.replay(batch, OPTIONS).clone())
         eager_out.append(toy_step(eager_pool, w, batch))
     return torch.stack(graph_out), torch.stack(eager_out), pool, eager_pool
 
@@ -145,10 +148,10 @@ def test_padded_rows_write_only_the_dummy_slot():
     runner = make_runner(pool, pad_values={"seq_lens": 1})
     runner.capture()
     first = decode_batch([2, 3, 4, 5], 0, "cpu")
-    runner.replay(first)  # graph 4, no padding
+    runner.replay(first, OPTIONS)  # graph 4, no padding
     after_first = pool.kv.clone()
     second = decode_batch([2, 3, 4], 1, "cpu")  # graph 4: row 3, which held request 4, is padding
-    runner.replay(second)
+    runner.replay(second, OPTIONS)
     live_first, live_second = (set(pool.full_to_swa[b["out_cache_loc"]].tolist())
                                for b in (first, second))
     assert live_second <= slots_where(pool.kv != after_first) <= live_second | {0}
@@ -165,10 +168,10 @@ def test_replay_picks_the_smallest_captured_graph():
         g.replay = functools.partial(lambda bs, original: (used.append(bs), original()),
                                      bs, g.replay)
     for n in range(1, 9):
-        runner.replay(decode_batch(list(range(1, n + 1)), 0, "cpu"))
+        runner.replay(decode_batch(list(range(1, n + 1)), 0, "cpu"), OPTIONS)
     assert used == [1, 2, 4, 4, 8, 8, 8, 8]
     with pytest.raises(ValueError, match="1..8"):
-        runner.replay(decode_batch(list(range(1, 10)), 0, "cpu"))
+        runner.replay(decode_batch(list(range(1, 10)), 0, "cpu"), OPTIONS)
 
 
 def test_capture_batch_sizes_are_bounded_by_max_batch():
@@ -222,20 +225,26 @@ def test_host_sync_in_the_step_fails_capture_naming_the_op():
     assert not currently_capturing()
 
 
-def test_changing_a_graph_flag_after_capture_raises(flag_env, monkeypatch):
-    flag_env(DSV4_MULTI_STREAM_PREPARE="0")
+def test_replaying_with_other_step_options_raises(flag_env):
+    """The runner keeps the options it captured with; a replay for a step with other options
+    (in a field that changes what a step computes) is refused, naming the field. The
+    environment is read by nobody here: a flag changed after capture changes nothing."""
     runner = make_runner(ToyPool("cpu"))
     runner.capture()
     batch = decode_batch([1, 2], 0, "cpu")
-    runner.replay(batch)
-    monkeypatch.setenv("DSV4_GRAPH", "0")  # not a graph flag: ignored
-    monkeypatch.setenv("DSV4_MULTI_STREAM_PREPARE", "off")  # same value, other spelling
-    runner.replay(batch)
-    monkeypatch.setenv("DSV4_MULTI_STREAM_PREPARE", "1")
-    with pytest.raises(GraphFlagChanged, match="DSV4_MULTI_STREAM_PREPARE.*False.*True"):
-        runner.replay(batch)
-    monkeypatch.delenv("DSV4_MULTI_STREAM_PREPARE")  # back to the default, as captured
-    runner.replay(batch)
+    runner.replay(batch, OPTIONS)
+    flag_env(DSV4_MULTI_STREAM_PREPARE="1", DSV4_NUMERICS="fp32")
+    runner.replay(batch, OPTIONS)                                 # the flags: nothing
+    runner.replay(batch, dataclasses.replace(OPTIONS, graph=False))   # not a step field
+    runner.replay(batch, Options())                               # an equal value
+    multi = dataclasses.replace(OPTIONS, multi_stream_prepare=True)
+    with pytest.raises(GraphFlagChanged, match="multi_stream_prepare: False -> True"):
+        runner.replay(batch, multi)
+    fp32_torch = dataclasses.replace(OPTIONS, numerics="fp32",
+                                     kernel=KernelOptions(backend="torch"))
+    with pytest.raises(GraphFlagChanged, match="numerics: 'reference' -> 'fp32'.*kernel: "):
+        runner.replay(batch, fp32_torch)
+    runner.replay(batch, OPTIONS)                                 # back as captured
 
 
 def test_capturing_twice_in_one_process():
@@ -246,7 +255,7 @@ def test_capturing_twice_in_one_process():
     for step in range(2):
         runner.capture()
         batch = decode_batch(prompt_lens, step, "cpu")
-        torch.testing.assert_close(runner.replay(batch), toy_step(eager_pool, w, batch))
+        torch.testing.assert_close(runner.replay(batch, OPTIONS), toy_step(eager_pool, w, batch))
     second_out, second_eager, _, _ = graph_vs_eager([3, 3])  # another runner, another pool
     torch.testing.assert_close(second_out, second_eager)
 
@@ -255,29 +264,32 @@ def test_replay_rejects_a_malformed_batch():
     runner = make_runner(ToyPool("cpu"))
     batch = decode_batch([1, 2], 0, "cpu")
     with pytest.raises(RuntimeError, match="before capture"):
-        runner.replay(batch)
+        runner.replay(batch, OPTIONS)
     runner.capture()
     with pytest.raises(KeyError, match="missing \\['seq_lens'\\]"):
-        runner.replay({k: v for k, v in batch.items() if k != "seq_lens"})
+        runner.replay({k: v for k, v in batch.items() if k != "seq_lens"}, OPTIONS)
     with pytest.raises(KeyError, match="unexpected \\['extra'\\]"):
-        runner.replay({**batch, "extra": batch["seq_lens"]})
+        runner.replay({**batch, "extra": batch["seq_lens"]}, OPTIONS)
     with pytest.raises(ValueError, match="'positions' has shape \\(3,\\)"):
-        runner.replay({**batch, "positions": torch.zeros(3, dtype=torch.long)})
+        runner.replay({**batch, "positions": torch.zeros(3, dtype=torch.long)}, OPTIONS)
     with pytest.raises(ValueError, match="unknown inputs \\['lens'\\]"):
         make_runner(ToyPool("cpu"), pad_values={"lens": 1})
 
 
 def test_backend_follows_the_flag(flag_env):
     flag_env(DSV4_GRAPH_BACKEND="emulate")
-    assert select_backend() is EMULATE
+    assert select_backend(choice=Options.from_env().graph_backend) is EMULATE
+    assert make_runner(ToyPool("cpu"), backend=None,
+                       options=Options.from_env()).backend is EMULATE
+    with pytest.raises(ValueError, match=r"choice='cpu': expected one of auto\|cuda\|emulate"):
+        select_backend(choice="cpu")
     if torch.cuda.is_available():
         return
     flag_env(DSV4_GRAPH_BACKEND="auto")
-    assert select_backend() is EMULATE
+    assert select_backend(choice=Options.from_env().graph_backend) is EMULATE
     flag_env(DSV4_GRAPH_BACKEND="cuda")
-    with pytest.raises(RuntimeError, match="DSV4_GRAPH_BACKEND=cuda needs a ROCm/CUDA GPU"):
-        select_backend()
-    assert envs.GRAPH_BACKEND.get() == "cuda"
+    with pytest.raises(RuntimeError, match="DSV4_GRAPH_BACKEND=cuda\\) needs a ROCm/CUDA GPU"):
+        select_backend(choice=Options.from_env().graph_backend)
 
 
 def test_auto_follows_the_steps_device(flag_env, monkeypatch):

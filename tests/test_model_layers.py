@@ -97,12 +97,14 @@ def test_fp4_simulation_matches_the_dense_restatement_and_is_idempotent():
     assert torch.isin((blocks / scale).abs(), ref.E2M1_GRID).all()
 
 
-def test_hadamard_is_orthonormal_and_matches_the_dense_restatement():
+@pytest.mark.parametrize("reference", [True, False], ids=["reference", "fp32"])
+def test_hadamard_is_orthonormal_and_matches_the_dense_restatement(reference):
     x = torch.randn(10, 128)
-    torch.testing.assert_close(hadamard_rotate(hadamard_rotate(x)), x, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(hadamard_rotate(x), ref.hadamard(x))
+    torch.testing.assert_close(hadamard_rotate(hadamard_rotate(x, reference), reference), x,
+                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(hadamard_rotate(x, reference), ref.hadamard(x))
     with pytest.raises(ValueError, match="power-of-two"):
-        hadamard_rotate(torch.randn(2, 96))
+        hadamard_rotate(torch.randn(2, 96), reference)
 
 
 @pytest.mark.parametrize("ratio", [4, 128])
@@ -126,20 +128,21 @@ def test_compressor_pool_matches_a_per_channel_loop(ratio):
 
 
 @pytest.mark.parametrize("mode", ["fp32", "reference"])
-def test_attention_sink_only_enters_the_denominator(flag_env, mode):
+def test_attention_sink_only_enters_the_denominator(mode):
     """fp32: the plain softmax with the sink's exp added to the denominator. reference (one
     64-row block here): the numerator's probabilities exp(s - m) rounded to bf16, m the max
     without the sink, the denominator their fp32 sum plus exp(sink - m)."""
-    flag_env(DSV4_NUMERICS=mode)
+    reference = mode == "reference"
     torch.manual_seed(0)
     attn = Attention(TINY, 0, dtype=torch.float32)
     q, kv = torch.randn(2, 4, 512), torch.randn(2, 5, 512)
     valid = torch.tensor([[True] * 5, [True, True, False, False, False]])
     with torch.no_grad():
         attn.attn_sink.fill_(float("-inf"))
-        plain = attn.sparse_attention(q, [kv[:, :2], kv[:, 2:]], [valid[:, :2], valid[:, 2:]])
+        plain = attn.sparse_attention(q, [kv[:, :2], kv[:, 2:]], [valid[:, :2], valid[:, 2:]],
+                                      reference)
         attn.attn_sink.copy_(torch.tensor([0.0, 1.0, 2.0, 3.0]))
-        sunk = attn.sparse_attention(q, [kv], [valid])
+        sunk = attn.sparse_attention(q, [kv], [valid], reference)
     s = torch.einsum("nhd,nkd->nhk", q, kv) / math.sqrt(512)
     s = s.masked_fill(~valid[:, None], float("-inf"))
     m = s.amax(-1, keepdim=True)
@@ -212,12 +215,11 @@ def test_routed_experts_are_stacked_but_named_per_expert():
     assert torch.equal(other.layers[1].ffn.experts.w2, experts.w2)
 
 
-def test_reference_hadamard_is_the_textbook_butterfly_in_fp32(flag_env):
-    """DSV4_NUMERICS=reference: the fast Walsh-Hadamard transform's order (half-length h = 1,
+def test_reference_hadamard_is_the_textbook_butterfly_in_fp32():
+    """Reference numerics: the fast Walsh-Hadamard transform's order (half-length h = 1,
     2, 4, ...: y[j], y[j + h] <- y[j] + y[j + h], y[j] - y[j + h], each sum rounded to fp32),
     then times d^-0.5, one rounding to bf16. The fp32 mode's single GEMM differs somewhere
     (72 of these 524,288 values on this CPU)."""
-    flag_env(DSV4_NUMERICS="reference")
     x = torch.randn(4096, 128, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     y = [x[:, j].float() for j in range(128)]
     h = 1
@@ -227,7 +229,6 @@ def test_reference_hadamard_is_the_textbook_butterfly_in_fp32(flag_env):
                 y[j], y[j + h] = y[j] + y[j + h], y[j] - y[j + h]
         h *= 2
     want = (torch.stack(y, 1) * 128 ** -0.5).to(torch.bfloat16)
-    got = hadamard_rotate(x)
+    got = hadamard_rotate(x, reference=True)
     assert torch.equal(got, want)
-    flag_env(DSV4_NUMERICS="fp32")
-    assert not torch.equal(hadamard_rotate(x), got)
+    assert not torch.equal(hadamard_rotate(x, reference=False), got)

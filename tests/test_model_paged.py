@@ -134,12 +134,12 @@ def _no_previous_window(comp, kv, score, has_prev=None):
     return _POOL(comp, kv, score, torch.zeros_like(has_prev) if has_prev is not None else None)
 
 
-def _no_sink(attn, q, kv, valid):
+def _no_sink(attn, q, kv, valid, reference):
     with torch.no_grad():
         saved = attn.attn_sink.clone()
         attn.attn_sink.fill_(float("-inf"))
         try:
-            return _SPARSE(attn, q, kv, valid)
+            return _SPARSE(attn, q, kv, valid, reference)
         finally:
             attn.attn_sink.copy_(saved)
 
@@ -244,13 +244,14 @@ def static_shape_decode(model, prompts, steps, capture: bool):
 
     def step():
         b = ForwardBatch(ForwardMode.DECODE, *(static[n] for n in names))
-        return model(b, engine.pool, engine.req_to_token, max_rows=max_rows)
+        return model(b, engine.pool, engine.req_to_token, max_rows=max_rows,
+                     options=engine.options)
 
     eager_forward = engine.forward
 
-    def forward(batch, all_logits=False):
+    def forward(batch, all_logits=False, **kwargs):
         if not batch.is_decode:
-            return eager_forward(batch, all_logits)
+            return eager_forward(batch, all_logits, **kwargs)
         for n in names:
             static[n].copy_(getattr(batch, n))
         if not capture:

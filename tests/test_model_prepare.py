@@ -8,6 +8,7 @@ import torch
 from dsv4.config import ModelConfig
 from dsv4.engine import Engine
 from dsv4.paged_attention import PagedAttention
+from hip_kernels import set_kv
 from tiny_model import tiny_model
 
 TINY = ModelConfig.preset("tiny")
@@ -33,10 +34,10 @@ def watch_steps(engine, monkeypatch):
 
     forward = engine.forward
 
-    def spy_forward(batch, all_logits=False):
+    def spy_forward(batch, all_logits=False, **kwargs):
         calls.clear()
         t0, h0 = pool.swa_loc_stats.translations, pool.swa_loc_stats.hits
-        out = forward(batch, all_logits)
+        out = forward(batch, all_logits, **kwargs)
         assert all(loc is batch.out_cache_loc for _, loc in calls)
         steps.append((batch.forward_mode.value, [layer for layer, _ in calls],
                       pool.swa_loc_stats.translations - t0, pool.swa_loc_stats.hits - h0))
@@ -62,18 +63,18 @@ def test_each_prepare_path_stores_at_the_steps_translation(model, monkeypatch, f
             paths.append(_name)
             return _f(self, *args)
         monkeypatch.setattr(PagedAttention, name, spy)
-    store = engine.pool.set_swa_key_buffer_radix_fused_norm_rope
+    store = set_kv.fused_k_norm_rope_store
     translate = engine.pool.get_cached_swa_loc
 
-    def spy_store(layer_id, swa_loc, *args, **kwargs):
+    def spy_store(kv, weight, eps, freqs_cis, positions, swa_loc, *args, **kwargs):
         stored_at.append(swa_loc)
-        return store(layer_id, swa_loc, *args, **kwargs)
+        return store(kv, weight, eps, freqs_cis, positions, swa_loc, *args, **kwargs)
 
     def spy_translate(loc, layer_id=None):
         translated.append(translate(loc, layer_id))
         return translated[-1]
 
-    monkeypatch.setattr(engine.pool, "set_swa_key_buffer_radix_fused_norm_rope", spy_store)
+    monkeypatch.setattr(set_kv, "fused_k_norm_rope_store", spy_store)
     monkeypatch.setattr(engine.pool, "get_cached_swa_loc", spy_translate)
     engine.generate(PROMPTS, STEPS)
     want = "prepare_multi_stream" if multi_stream == "1" else "prepare"
@@ -152,12 +153,12 @@ def test_the_fused_translating_store_gives_the_same_bits(model, monkeypatch, fla
     kernel (the pool's translation is never asked) and the logits are the default's, bit for
     bit, eager and under decode graphs."""
     out = {}
+    fused = set_kv.fused_translate_norm_rope_store
     for flag in ("0", "1"):
         flag_env(DSV4_FUSED_SWA_TRANSLATE=flag)
         engine = Engine(model, max_batch=2, max_context_len=256, graph=graph)
         calls = {"translate": 0, "fused": 0}
         translate = engine.pool.get_cached_swa_loc
-        fused = engine.pool.set_swa_key_buffer_fused_translate_norm_rope
 
         def spy_translate(*a, **k):
             calls["translate"] += 1
@@ -168,8 +169,7 @@ def test_the_fused_translating_store_gives_the_same_bits(model, monkeypatch, fla
             return fused(*a, **k)
 
         monkeypatch.setattr(engine.pool, "get_cached_swa_loc", spy_translate)
-        monkeypatch.setattr(engine.pool, "set_swa_key_buffer_fused_translate_norm_rope",
-                            spy_fused)
+        monkeypatch.setattr(set_kv, "fused_translate_norm_rope_store", spy_fused)
         out[flag] = engine.generate(PROMPTS, STEPS, return_logits=True)
         if flag == "1":
             assert calls["translate"] == 0 and calls["fused"] >= TINY.n_layers

@@ -1,6 +1,8 @@
 """The engine's decode graphs (CPU emulation): replay equals eager decode token for token and
 logit for logit, padded rows write only the dummy page, one SWA gather per graph, the capture-time
-invalidation matters, capture repeats, and a graph-shaping flag cannot change after capture."""
+invalidation matters, capture repeats, and a replay with other step options is refused."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -8,6 +10,7 @@ import torch
 from dsv4.config import ModelConfig
 from dsv4.engine import Engine
 from dsv4.graphs import GraphFlagChanged
+from dsv4.options import Options
 from tiny_model import tiny_model
 from hip_kernels.kv_layout import VALUE_BYTES
 
@@ -35,9 +38,11 @@ def model():
 
 @pytest.fixture(scope="module")
 def engines(model):
-    """(eager, graph) engines for batches up to 8: graphs 1, 2, 4, 8 captured once."""
-    return (Engine(model, max_batch=8, max_context_len=MAX_LEN, graph=False),
-            Engine(model, max_batch=8, max_context_len=MAX_LEN, graph=True))
+    """(eager, graph) engines for batches up to 8: graphs 1, 2, 4, 8 captured once. Made before
+    the fp32 flag above is set (a module fixture), so they are given fp32 options."""
+    fp32 = Options(numerics="fp32")
+    return (Engine(model, max_batch=8, max_context_len=MAX_LEN, graph=False, options=fp32),
+            Engine(model, max_batch=8, max_context_len=MAX_LEN, graph=True, options=fp32))
 
 
 def prompts(n, seed=0):
@@ -142,10 +147,17 @@ def test_capturing_twice_in_one_process_replays_correctly(model, engines):
     assert graph.generate(prompts(3, seed=4), STEPS).tokens == want.tokens
 
 
-def test_changing_a_graph_flag_after_capture_raises(model, flag_env):
+def test_changing_the_step_options_after_capture_raises(model, flag_env):
+    """The engine reads the flags once, when made: a flag set afterwards changes nothing; other
+    step options after capture are refused (naming the field) and leak no page."""
     graph = Engine(model, max_batch=1, max_context_len=MAX_LEN, graph=True)
-    graph.generate(prompts(1), 2)
-    flag_env(DSV4_CACHE_SWA_TRANSLATION="0")
-    with pytest.raises(GraphFlagChanged, match="DSV4_CACHE_SWA_TRANSLATION"):
+    want = graph.generate(prompts(1), 2).tokens
+    flag_env(DSV4_FUSED_SWA_TRANSLATE="1", DSV4_MULTI_STREAM_PREPARE="1")
+    assert graph.generate(prompts(1), 2).tokens == want
+    captured = graph.options
+    graph.options = dataclasses.replace(captured, fused_swa_translate=True)
+    with pytest.raises(GraphFlagChanged, match="fused_swa_translate: False -> True"):
         graph.generate(prompts(1), 2)
     assert graph.allocator.full_available_size() == graph.allocator.size_full
+    graph.options = captured
+    assert graph.generate(prompts(1), 2).tokens == want

@@ -5,11 +5,10 @@ from hip_kernels.capture import is_capturing as currently_capturing
 
 from .backend import GraphBackend, select_backend
 from .emulation import EmulatedGraph, GraphCaptureError
-from .flag_snapshot import GraphFlagChanged
-from .runner import CAPTURE_BATCH_SIZES, DECODE_GRAPH_FLAGS, GraphRunner, capture_batch_sizes
+from .runner import CAPTURE_BATCH_SIZES, GraphFlagChanged, GraphRunner, capture_batch_sizes
 
 __all__ = [
     "currently_capturing", "GraphBackend", "select_backend", "EmulatedGraph", "GraphCaptureError",
-    "GraphFlagChanged", "CAPTURE_BATCH_SIZES", "DECODE_GRAPH_FLAGS", "GraphRunner",
+    "GraphFlagChanged", "CAPTURE_BATCH_SIZES", "GraphRunner",
     "capture_batch_sizes",
 ]

@@ -1,4 +1,5 @@
-"""Which graph implementation captures and replays: DSV4_GRAPH_BACKEND=auto|cuda|emulate.
+"""Which graph implementation captures and replays: auto|cuda|emulate (``Options.graph_backend``,
+from DSV4_GRAPH_BACKEND).
 
 cuda = `torch.cuda.CUDAGraph` (a HIP graph on ROCm); emulate = the CPU emulation in
 `emulation.py`; auto = cuda for a step on a GPU, else emulate.
@@ -11,7 +12,6 @@ from typing import Any, Callable, ContextManager
 
 import torch
 
-from .. import envs
 from . import emulation
 
 
@@ -41,16 +41,18 @@ EMULATE = GraphBackend(
 )
 
 
-def select_backend(device: torch.device | str | None = None) -> GraphBackend:
-    """The backend for a step whose tensors live on `device` (None: the default device). auto
-    follows the device: a CUDA graph records only GPU work, so a step on the CPU (a CPU model
-    on a machine that also has a GPU) takes the emulation, never an empty CUDA graph."""
-    choice = envs.GRAPH_BACKEND.get()
+def select_backend(device: torch.device | str | None = None, choice: str = "auto") -> GraphBackend:
+    """The backend `choice` (auto|cuda|emulate) names for a step whose tensors live on `device`
+    (None: the default device). auto follows the device: a CUDA graph records only GPU work, so
+    a step on the CPU (a CPU model on a machine that also has a GPU) takes the emulation, never
+    an empty CUDA graph."""
+    if choice not in ("auto", "cuda", "emulate"):
+        raise ValueError(f"choice={choice!r}: expected one of auto|cuda|emulate")
     if choice == "auto":
         on_gpu = (torch.device(device).type == "cuda" if device is not None
                   else torch.cuda.is_available())
         choice = "cuda" if on_gpu else "emulate"
     if choice == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"{envs.GRAPH_BACKEND.name}=cuda needs a ROCm/CUDA GPU, but "
-                           "torch.cuda.is_available() is False; use auto or emulate")
+        raise RuntimeError("graph backend cuda (DSV4_GRAPH_BACKEND=cuda) needs a ROCm/CUDA GPU, "
+                           "but torch.cuda.is_available() is False; use auto or emulate")
     return CUDA if choice == "cuda" else EMULATE

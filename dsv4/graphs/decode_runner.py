@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..forward_batch import ForwardBatch, ForwardMode
+from ..options import Options
 from .runner import GraphRunner
 
 INPUT_NAMES = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens")
@@ -22,8 +23,9 @@ def decode_inputs(batch: ForwardBatch) -> dict[str, torch.Tensor]:
 
 
 def make_decode_graph_runner(model, pool, req_to_token: torch.Tensor, max_batch: int,
-                             max_context_len: int, device) -> GraphRunner:
-    """A GraphRunner over one decode step of `model` on `pool` (not captured yet)."""
+                             max_context_len: int, device, options: Options) -> GraphRunner:
+    """A GraphRunner over one decode step of `model` on `pool` with `options` (not captured
+    yet)."""
     max_rows = model.static_max_rows(max_context_len)
 
     def make_static_inputs(n: int) -> dict[str, torch.Tensor]:
@@ -31,7 +33,7 @@ def make_decode_graph_runner(model, pool, req_to_token: torch.Tensor, max_batch:
 
     def step(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         batch = ForwardBatch(ForwardMode.DECODE, *(inputs[name] for name in INPUT_NAMES))
-        return model(batch, pool, req_to_token, max_rows=max_rows)
+        return model(batch, pool, req_to_token, max_rows=max_rows, options=options)
 
     return GraphRunner(step, make_static_inputs, max_batch, invalidate_fn=pool.invalidate_loc_cache,
-                       pad_values=PAD_VALUES)
+                       options=options, pad_values=PAD_VALUES)

@@ -3,9 +3,9 @@
 The runner is generic over the step it captures:
 
     runner = GraphRunner(step_fn, make_static_inputs, max_batch,
-                         invalidate_fn=pool.invalidate_loc_cache)
+                         invalidate_fn=pool.invalidate_loc_cache, options=options)
     runner.capture()
-    logits = runner.replay({"input_ids": ..., "positions": ..., ...})
+    logits = runner.replay({"input_ids": ..., "positions": ..., ...}, options)
 
 - `make_static_inputs(n)` returns the static input buffers, name -> tensor with the batch in dim 0
   and n rows (input_ids, positions, seq_lens, req_pool_indices, out_cache_loc, and whatever else
@@ -14,6 +14,11 @@ The runner is generic over the step it captures:
   and returns a tensor, or a tuple/list/dict of tensors, with the batch in dim 0.
 - `invalidate_fn()` runs before every warm-up and every capture run (the pool's
   `invalidate_loc_cache`), so no cached SWA translation lets a capture run skip the gather.
+- `options` (a `dsv4.Options`): the step's options, which `step_fn` computes with, and the
+  graphs' batch sizes and backend. A replay names the options of the step it stands for; if
+  they differ from the captured ones in a field that changes what a step computes
+  (`Options.STEP_FIELDS`), the replay raises `GraphFlagChanged` instead of silently running the
+  old step.
 
 Rows beyond the live batch are padded (default 0: request slot 0, location 0, the dummy slot), so
 padded rows never write live KV. `replay` returns views of the static outputs: use them before the
@@ -24,29 +29,23 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from torch.utils._pytree import tree_map
 
-from hip_kernels import envs as kernel_envs
-from hip_kernels.flags import Flag
-from mem_pool import envs as pool_envs
-
-from .. import envs
+from ..options import Options
 from .backend import GraphBackend, select_backend
-from .flag_snapshot import FlagSnapshot
 
 logger = logging.getLogger(__name__)
 
 CAPTURE_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
-# Flags whose value changes the ops a decode graph contains.
-DECODE_GRAPH_FLAGS = (envs.MULTI_STREAM_PREPARE, envs.FUSED_SWA_TRANSLATE,
-                      pool_envs.CACHE_SWA_TRANSLATION,
-                      kernel_envs.KERNEL_BACKEND, kernel_envs.FP8_DIALECT, kernel_envs.NUMERICS)
-
 StaticInputs = dict[str, torch.Tensor]
+
+
+class GraphFlagChanged(RuntimeError):
+    """A replay's options differ from those the graphs were captured with."""
 
 
 def capture_batch_sizes(max_batch: int, which: str = "pow2") -> list[int]:
@@ -70,18 +69,20 @@ def capture_batch_sizes(max_batch: int, which: str = "pow2") -> list[int]:
 class GraphRunner:
     def __init__(self, step_fn: Callable[[StaticInputs], Any],
                  make_static_inputs: Callable[[int], StaticInputs], max_batch: int,
-                 invalidate_fn: Callable[[], None],
-                 graph_flags: Iterable[Flag] = DECODE_GRAPH_FLAGS,
+                 invalidate_fn: Callable[[], None], *, options: Options,
                  pad_values: Mapping[str, int] | None = None,
                  backend: GraphBackend | None = None) -> None:
+        if not isinstance(options, Options):
+            raise TypeError(f"options must be a dsv4.Options, got {type(options).__name__}")
         self.step_fn = step_fn
         self.invalidate_fn = invalidate_fn
-        self.graph_flags = tuple(graph_flags)
+        self.options = options
         self.pad_values = dict(pad_values or {})
-        self.batch_sizes = capture_batch_sizes(max_batch, envs.GRAPH_BATCH_SIZES.get())
+        self.batch_sizes = capture_batch_sizes(max_batch, options.graph_batch_sizes)
         self.static = make_static_inputs(self.max_batch)
         devices = {buf.device for buf in self.static.values()}
-        self.backend = backend or select_backend(next(iter(devices)) if devices else None)
+        self.backend = backend or select_backend(next(iter(devices)) if devices else None,
+                                                 options.graph_backend)
         for name, buf in self.static.items():
             if buf.shape[0] != self.max_batch:
                 raise ValueError(f"static input {name!r} has {buf.shape[0]} rows, expected "
@@ -92,7 +93,6 @@ class GraphRunner:
                              f"static inputs are {sorted(self.static)}")
         self.graphs: dict[int, Any] = {}
         self.outputs: dict[int, Any] = {}
-        self._flags: FlagSnapshot | None = None
 
     @property
     def max_batch(self) -> int:
@@ -109,7 +109,6 @@ class GraphRunner:
     def capture(self) -> None:
         """Capture the step for every batch size, largest first, into one memory pool."""
         start = time.perf_counter()
-        self._flags = FlagSnapshot(self.graph_flags)
         self.graphs, self.outputs = {}, {}
         self._pad_rows(0, self.max_batch)
         pool = self.backend.pool_handle()
@@ -127,12 +126,17 @@ class GraphRunner:
                     self.batch_sizes, time.perf_counter() - start)
 
     @torch.no_grad()
-    def replay(self, batch: Mapping[str, torch.Tensor]) -> Any:
-        """Run the step on a live batch (name -> tensor, batch in dim 0); returns its first rows
-        of the static outputs."""
-        if self._flags is None:
+    def replay(self, batch: Mapping[str, torch.Tensor], options: Options) -> Any:
+        """Run the step on a live batch (name -> tensor, batch in dim 0) whose options are
+        `options`; returns its first rows of the static outputs."""
+        if not self.graphs:
             raise RuntimeError("replay() before capture()")
-        self._flags.check()
+        changed = self.options.step_differences(options)
+        if changed:
+            raise GraphFlagChanged(
+                f"the step's options differ from those the graphs were captured with "
+                f"({'; '.join(changed)}); the graphs still do the old thing: replay with the "
+                "captured options, or make a new engine (graph runner) with these")
         n = self._check_batch(batch)
         bs = self.graph_batch_size(n)
         for name, buf in self.static.items():

@@ -8,8 +8,8 @@ is the caller's business:
 2. ``project_kv``: ``wkv(x)`` [N, 512]; ``norm_rope_kv``: kv_norm, RoPE (the FP8 simulation of the
    nope dims is the cache's quantization at the store).
 3. ``sparse_attention``: one softmax over the gathered row segments (window, compressed) with the
-   head's sink in the denominator (DSV4_NUMERICS=reference: in the reference kernel's row order
-   and 64-row blocks, bf16 probabilities in P.V; fp32: one pass, fp32 probabilities).
+   head's sink in the denominator (reference numerics: in the reference kernel's row order and
+   64-row blocks, bf16 probabilities in P.V; fp32: one pass, fp32 probabilities).
 4. ``project_out``: inverse RoPE on o[..., 448:], grouped low-rank ``wo_a``, then ``wo_b``.
 """
 
@@ -18,7 +18,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hip_kernels import numerics
 from hip_kernels.decode_attention import sparse_attention_rows
 
 from .compressor import Compressor
@@ -73,14 +72,13 @@ class Attention(nn.Module):
         return rope_tail(self.kv_norm(kv), freqs_cis, self.rope_dim)
 
     def sparse_attention(self, q: torch.Tensor, kv: list[torch.Tensor],
-                         valid: list[torch.Tensor]) -> torch.Tensor:
+                         valid: list[torch.Tensor], reference: bool) -> torch.Tensor:
         """q [N, H, 512]; kv: segments of dequantized rows [N, K_i, 512] with valid [N, K_i]
         (window, compressed) -> o [N, H, 512] in q's dtype, one softmax over all segments:
-        p_j = exp(s_j - m) / (sum_k exp(s_k - m) + exp(sink_h - m)), in the numerics mode's
-        rounding (``hip_kernels.decode_attention``; over the paged caches the model calls its
-        op, which reads the FP8 rows in place)."""
-        return sparse_attention_rows(q, kv, valid, self.attn_sink, self.softmax_scale,
-                                     numerics.is_reference())
+        p_j = exp(s_j - m) / (sum_k exp(s_k - m) + exp(sink_h - m)), in the reference numerics'
+        rounding when reference, else in fp32 (``hip_kernels.decode_attention``; over the paged
+        caches the model calls its op, which reads the FP8 rows in place)."""
+        return sparse_attention_rows(q, kv, valid, self.attn_sink, self.softmax_scale, reference)
 
     def project_out(self, o: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
         """[N, H, 512] -> [N, dim]: inverse RoPE, grouped wo_a, wo_b."""

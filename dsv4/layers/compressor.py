@@ -74,12 +74,13 @@ class Compressor(nn.Module):
                 score = score.masked_fill(drop.unsqueeze(-1), float("-inf"))
         return (kv * score.softmax(dim=1)).sum(dim=1)
 
-    def finish(self, pooled: torch.Tensor, freqs_cis: torch.Tensor,
-               dtype: torch.dtype) -> torch.Tensor:
+    def finish(self, pooled: torch.Tensor, freqs_cis: torch.Tensor, dtype: torch.dtype,
+               reference: bool) -> torch.Tensor:
         """Compressed rows [M, d] in dtype: norm, RoPE at the window start (freqs_cis [M, rope/2])
-        and, for the indexer, Hadamard rotation and FP4 simulation."""
+        and, for the indexer, Hadamard rotation (in the reference numerics' order when
+        reference) and FP4 simulation."""
         kv = self.norm(pooled.to(dtype))
         kv = rope_tail(kv, freqs_cis, self.rope_dim)
         if self.rotate:
-            kv = fp4_quant_dequant(hadamard_rotate(kv))
+            kv = fp4_quant_dequant(hadamard_rotate(kv, reference))
         return kv

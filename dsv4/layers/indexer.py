@@ -5,8 +5,9 @@ simulation; keys come from the indexer's own ratio-4 compressor (head_dim 128, s
 ``score[t] = sum_h relu(q_h . k_t) * w_h`` with ``w = weights_proj(x) * 128^-0.5 * Hi^-0.5``; the
 top ``index_topk`` visible rows are kept (all of them when there are no more than that). The
 scores are computed over the paged key cache by ``hip_kernels.indexer_scores`` (one op).
-With DSV4_NUMERICS=reference the weights, the q.k products, the weighting and the head sum are
-each rounded to the model dtype (bf16), as the reference computes them; with fp32 they stay fp32.
+In reference numerics (``reference=True``) the weights, the q.k products, the weighting and the
+head sum are each rounded to the model dtype (bf16), as the reference computes them; in fp32
+numerics they stay fp32.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hip_kernels import aiter_ops, numerics
+from hip_kernels import aiter_ops
 
 from .compressor import Compressor
 from .linear import Linear
@@ -36,16 +37,17 @@ class Indexer(nn.Module):
         self.compressor = Compressor(cfg.dim, self.head_dim, self.rope_dim, self.ratio,
                                      cfg.norm_eps, rotate=True, device=device)
 
-    def project_q(self, qr: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    def project_q(self, qr: torch.Tensor, freqs_cis: torch.Tensor,
+                  reference: bool) -> torch.Tensor:
         """Index queries [N, Hi, 128] (RoPE at the token positions, rotated, FP4-simulated)."""
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         q = rope_tail(q, freqs_cis, self.rope_dim)
-        return fp4_quant_dequant(hadamard_rotate(q))
+        return fp4_quant_dequant(hadamard_rotate(q, reference))
 
-    def head_weights(self, x: torch.Tensor) -> torch.Tensor:
+    def head_weights(self, x: torch.Tensor, reference: bool) -> torch.Tensor:
         """Per-head weights [N, Hi]: bf16 (the model dtype) in reference numerics, else fp32."""
         w = self.weights_proj(x)
-        if not numerics.is_reference():
+        if not reference:
             w = w.float()
         return w * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
 

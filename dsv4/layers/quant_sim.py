@@ -2,8 +2,8 @@
 
 - FP4 e2m1 in 32-wide blocks with power-of-two scales: the indexer's q and compressed keys.
 - The Walsh-Hadamard rotation (scale d^-0.5) applied to the indexer's q and keys before FP4:
-  with DSV4_NUMERICS=reference as the reference's fast Hadamard transform computes it (radix-2
-  butterflies in fp32, then the scale, one rounding); with fp32, one fp32 product with H_d.
+  in reference numerics as the reference's fast Hadamard transform computes it (radix-2
+  butterflies in fp32, then the scale, one rounding); in fp32 numerics, one fp32 product with H_d.
 (The FP8 simulation of KV rows is the cache's own quantization: ``hip_kernels.kv_layout``.)
 """
 
@@ -13,7 +13,6 @@ import functools
 
 import torch
 
-from hip_kernels import numerics
 from hip_kernels.kv_layout import pow2_ceil_exponent
 
 FP4_MAX = 6.0
@@ -48,14 +47,14 @@ def _hadamard(d: int, device: torch.device) -> torch.Tensor:
     return (h * d ** -0.5).to(device)
 
 
-def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
+def hadamard_rotate(x: torch.Tensor, reference: bool) -> torch.Tensor:
     """x @ H_d * d^-0.5 over the last dim (Sylvester order, H symmetric), fp32 math, one rounding
-    to x's dtype. Reference numerics: butterflies of stride 1, 2, 4, ... on the fp32 values, then
+    to x's dtype. reference (the reference numerics): butterflies of stride 1, 2, 4, ... on the fp32 values, then
     times d^-0.5 in fp32; fp32 numerics: one fp32 GEMM with the scaled matrix."""
     d = x.shape[-1]
     if d & (d - 1):
         raise ValueError(f"hadamard_rotate needs a power-of-two last dim, got {d}")
-    if not numerics.is_reference():
+    if not reference:
         return (x.float() @ _hadamard(d, x.device)).to(x.dtype)
     levels = d.bit_length() - 1
     # index bits as dims, most significant first: the butterfly of stride 2^l pairs the two

@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .. import envs
 from . import quant
 from .names import is_mtp, to_reference
 
@@ -198,17 +197,23 @@ def fp8_block_size(raw_config: dict) -> tuple[int, int]:
     return int(block[0]), int(block[1])
 
 
-def load_model(path, device="cpu", dtype: torch.dtype = torch.bfloat16, on_tensor=None):
+def load_model(path, device="cpu", dtype: torch.dtype = torch.bfloat16, on_tensor=None,
+               options=None):
     """Build a DeepseekV4Model from ``path`` (config.json + safetensors) on ``device``.
 
     ``dtype`` is the model's compute dtype for its large weights; parameters the model keeps in
     float32 (norms, mHC, compressor, sinks, head) stay float32. Quantized weights are dequantized
     exactly (value times power-of-two scale) and rounded once to the parameter's dtype.
     ``on_tensor``, if given, is called after each tensor is loaded (progress reporting).
+    ``options``: the model's ``dsv4.Options`` (None: read from the DSV4_* flags now); with
+    ``options.check_weights`` every tensor is scanned for NaN/inf and tid2eid for experts out of
+    range.
     """
     from ..config import ModelConfig
     from ..model import DeepseekV4Model
+    from ..options import Options
 
+    options = Options.from_env() if options is None else options
     path = Path(path)
     try:
         raw_config = json.loads((path / "config.json").read_text())
@@ -219,7 +224,7 @@ def load_model(path, device="cpu", dtype: torch.dtype = torch.bfloat16, on_tenso
     files = checkpoint_files(path)
     stored = read_headers(files)
 
-    model = DeepseekV4Model(config, dtype=dtype, device=device)
+    model = DeepseekV4Model(config, dtype=dtype, device=device, options=options)
     targets = model.state_dict()
     plans, mtp = plan_load(stored, {k: v.shape for k, v in targets.items()}, config.n_layers,
                            block, path)
@@ -229,10 +234,9 @@ def load_model(path, device="cpu", dtype: torch.dtype = torch.bfloat16, on_tenso
 
     with contextlib.ExitStack() as stack, torch.no_grad():
         handles = {f: stack.enter_context(safe_open(f, framework="pt")) for f in files}
-        check = envs.CHECK_WEIGHTS.get()
         for plan in plans:
             value = read_tensor(plan, handles, block)
-            if check:
+            if options.check_weights:
                 check_values(plan, value, config)
             targets[plan.target].copy_(value)
             if on_tensor is not None:

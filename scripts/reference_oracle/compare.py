@@ -186,8 +186,8 @@ def instrument_ours(model, rec: Recorder):
 
     sparse = Attention.sparse_attention
 
-    def sparse_w(self, q, kv, valid):
-        o = sparse(self, q, kv, valid)
+    def sparse_w(self, q, kv, valid, *rest, **kw):
+        o = sparse(self, q, kv, valid, *rest, **kw)
         rec.put("q", q[0])
         rec.put("win.rows", kv[0][0][valid[0][0]])
         if len(kv) > 1:
@@ -217,26 +217,26 @@ def instrument_ours(model, rec: Recorder):
     project_q, head_weights, select = Indexer.project_q, Indexer.head_weights, Indexer.select
     scores = dm.indexer_scores
 
-    def project_q_w(self, qr, freqs):
-        q = project_q(self, qr, freqs)
+    def project_q_w(self, qr, freqs, *rest, **kw):
+        q = project_q(self, qr, freqs, *rest, **kw)
         rec.put("idx.q", q[0])
         return q
 
-    def head_weights_w(self, x):
-        w = head_weights(self, x)
+    def head_weights_w(self, x, *rest, **kw):
+        w = head_weights(self, x, *rest, **kw)
         rec.put("idx.w", w[0])
         return w
 
-    def scores_w(q, w, cache, loc, visible, page_size):
+    def scores_w(q, w, cache, loc, visible, page_size, **kw):
         """The scores op reads the key cache in place: record the keys it reads."""
         from hip_kernels import kv_layout
-        s = scores(q, w, cache, loc, visible, page_size)
+        s = scores(q, w, cache, loc, visible, page_size, **kw)
         rec.put("idx.scores_all", s[0])
         rec.put("idx.keys_all", kv_layout.read_indexer_rows(cache, loc[0], page_size))
         return s
 
-    def select_w(self, s, visible):
-        pick = select(self, s, visible)
+    def select_w(self, s, visible, *rest, **kw):
+        pick = select(self, s, visible, *rest, **kw)
         v = visible[0]
         rec.put("idx.scores", rec.data[(rec.step, rec.layer, "idx.scores_all")][v])
         rec.put("idx.keys", rec.data[(rec.step, rec.layer, "idx.keys_all")][v])
