@@ -116,12 +116,6 @@ class DeepSeekV4TokenToKVPool:
     def get_swa_cache(self, layer_id: int) -> torch.Tensor:
         return self._lookup(self.swa_caches, layer_id, "SWA cache")
 
-    def get_c4_cache(self, layer_id: int) -> torch.Tensor:
-        return self._lookup(self.c4_caches, layer_id, "C4 cache (ratio-4 layers only)")
-
-    def get_c128_cache(self, layer_id: int) -> torch.Tensor:
-        return self._lookup(self.c128_caches, layer_id, "C128 cache (ratio-128 layers only)")
-
     def get_compressed_cache(self, layer_id: int) -> torch.Tensor:
         """The C4 or C128 cache, by the layer's compress ratio."""
         table = {4: self.c4_caches, 128: self.c128_caches}.get(self.layer_ratio(layer_id), {})

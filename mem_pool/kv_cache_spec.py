@@ -78,14 +78,6 @@ class CacheFootprint:
     swa_page_bytes: int           # SWA bytes per SWA page, all layers
     state_bytes_per_request: int  # compressor state rings of one request slot, all layers
 
-    @property
-    def full_bytes_per_token(self) -> float:
-        return self.full_page_bytes / self.page_size
-
-    @property
-    def swa_bytes_per_token(self) -> float:
-        return self.swa_page_bytes / self.page_size
-
     def total_bytes(self, max_total_tokens: int, swa_tokens: int, max_num_reqs: int) -> int:
         """Exactly what create_dsv4_kv_cache allocates for these sizes."""
         p = self.page_size

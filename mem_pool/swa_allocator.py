@@ -56,12 +56,6 @@ class SWATokenToKVPoolAllocator:
     def swa_available_size(self) -> int:
         return self.swa_attn_allocator.available_size()
 
-    def available_size(self) -> int:
-        return min(self.full_available_size(), self.swa_available_size())
-
-    def get_kvcache(self):
-        return self._kvcache
-
     @property
     def last_handed_out(self) -> torch.Tensor:
         """Host int64 copy of the locations the latest allocation returned."""
@@ -255,9 +249,6 @@ class SWATokenToKVPoolAllocator:
         self._link(full_pages, swa_pages)
         self._mapping_changed()
 
-    def translate_loc_from_full_to_swa(self, loc: torch.Tensor) -> torch.Tensor:
-        return self._kvcache.translate_loc_from_full_to_swa(loc)
-
     # ---- whole-state operations -----------------------------------------------------------
 
     def clear(self) -> None:
@@ -281,11 +272,3 @@ class SWATokenToKVPoolAllocator:
         self._full_page_of_swa.copy_(full_page_of_swa)
         self._write_mapping(changed)
         self._mapping_changed()
-
-    # ---- host copies (retraction, offload) ------------------------------------------------
-
-    def get_cpu_copy(self, indices, req_pool_idx=None):
-        return self._kvcache.get_cpu_copy(indices, req_pool_idx)
-
-    def load_cpu_copy(self, kv_cache_cpu, indices, req_pool_idx=None) -> None:
-        self._kvcache.load_cpu_copy(kv_cache_cpu, indices, req_pool_idx)

@@ -47,7 +47,7 @@ def test_round_trip_into_other_pages_and_in_page_offsets():
     assert copy.families["c4"].mask.sum() == 9 and copy.families["swa"].mask.all()
     # the copied bytes are the layout's rows: C4 row loc // 4 of every 4th token
     c4_rows = src[3::4] // 4
-    values, scales = kv_layout.read_kv_bytes(pool.get_c4_cache(1), c4_rows, 4)
+    values, scales = kv_layout.read_kv_bytes(pool.get_compressed_cache(1), c4_rows, 4)
     assert torch.equal(copy.families["c4"].layers[1][0], values)
     assert torch.equal(copy.families["c4"].layers[1][1], scales)
     q, scale = copy.families["indexer"].layers[3]
@@ -61,19 +61,19 @@ def test_round_trip_into_other_pages_and_in_page_offsets():
     assert_same_copy(pool.get_cpu_copy(src, req_pool_idx=1), copy)   # the source is untouched
 
 
-def test_round_trip_with_c128_rows_and_the_allocator_entry_points():
+def test_round_trip_with_c128_rows():
     pool, al = small_pool((0, 4, 128), full_tokens=8 * 128, swa_tokens=8 * 128, page_size=128,
                           max_num_reqs=2)
     src = al.alloc_extend([0], [300], [-1], 300)
     fill_random(pool, seed=1)
-    copy = al.get_cpu_copy(src, 0)
+    copy = pool.get_cpu_copy(src, 0)
     assert copy.families["c128"].mask.sum() == 2
     al.free(src)
     al.alloc(2 * 128)                                  # the request comes back elsewhere
     dst = al.alloc_extend([0], [300], [-1], 300)
     assert not set(dst.tolist()) & set(src.tolist())
-    al.load_cpu_copy(copy, dst, 1)
-    assert_same_copy(al.get_cpu_copy(dst, 1), copy)
+    pool.load_cpu_copy(copy, dst, 1)
+    assert_same_copy(pool.get_cpu_copy(dst, 1), copy)
 
 
 def test_only_rows_with_an_swa_slot_are_copied_and_loaded():

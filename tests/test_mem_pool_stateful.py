@@ -293,7 +293,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.check_translation(locs, layer)
         self.check_translation(locs[start:], layer)             # a view at another offset
         assert self.pool.swa_loc_stats.hits >= hits + 2
-        assert torch.equal(self.al.translate_loc_from_full_to_swa(locs),
+        assert torch.equal(self.pool.translate_loc_from_full_to_swa(locs),
                            self.pool.get_cached_swa_loc(locs))
 
     @precondition(lambda self: self.model.reqs)

@@ -76,7 +76,7 @@ def test_same_address_and_numel_with_other_strides_translate_apart(pa):
     check(pool, al, strided)
 
 
-def _mutators(al, loc):
+def _mutators(pool, al, loc):
     """Each mutation of the mapping, applied to a pool whose loc is cached."""
     page = al.full_attn_allocator.page_locations(loc[:1] // P)
     return {
@@ -91,8 +91,7 @@ def _mutators(al, loc):
             page, al.swa_attn_allocator.alloc(P))),
         "clear": lambda: al.clear(),
         "restore_state": lambda: al.restore_state(al.backup_state()),
-        "register_mapping": lambda: al.get_kvcache().register_mapping(
-            al.full_to_swa_index_mapping),
+        "register_mapping": lambda: pool.register_mapping(al.full_to_swa_index_mapping),
     }
 
 
@@ -107,7 +106,7 @@ def test_every_mutator_invalidates(pa, mutator):
     loc = al.alloc(2 * P)
     pool.get_cached_swa_loc(loc)
     gen = pool.mapping_generation
-    _mutators(al, loc)[mutator]()
+    _mutators(pool, al, loc)[mutator]()
     assert pool.mapping_generation > gen
     misses = pool.swa_loc_stats.misses
     check(pool, al, loc)

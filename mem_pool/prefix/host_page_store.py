@@ -98,6 +98,3 @@ class HostPageStore:
             del self._pins[key]
         else:
             self._pins[key] = count - 1
-
-    def is_pinned(self, key: str) -> bool:
-        return key in self._pins
