@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dsv4.layers.moe import biased_gate
-from hip_kernels import aiter_ops, platform
+from hip_kernels import KernelOptions, aiter_ops, platform
 
 
 def _make_stub() -> types.ModuleType:
@@ -71,6 +71,11 @@ def aiter_env(flag_env, monkeypatch):
     aiter_ops.probe.cache_clear()
 
 
+def policy(kw: dict) -> dict:
+    """use_aiter's keyword arguments for the op keywords kw (numerics, options)."""
+    return dict(aiter=kw["options"].aiter, numerics=kw["numerics"])
+
+
 def _rocm(monkeypatch):
     """Let the auto policy believe the process runs on ROCm (the tensors stay on the CPU)."""
     monkeypatch.setattr(platform, "backend", lambda: "rocm")
@@ -94,9 +99,9 @@ def test_off_never_calls_aiter(aiter_env, monkeypatch):
     flag_env, install = aiter_env
     stub = install()
     _rocm(monkeypatch)
-    flag_env(DSV4_AITER="0", DSV4_NUMERICS="fp32")
+    kw = dict(numerics="fp32", options=KernelOptions(aiter="0"))
     s = _scores()
-    vals, idx = aiter_ops.topk_rows(s, 5)
+    vals, idx = aiter_ops.topk_rows(s, 5, **kw)
     assert stub.calls == []
     assert aiter_ops.probe.cache_info().currsize == 0  # not even imported
     ref = s.topk(5, dim=-1)
@@ -106,10 +111,11 @@ def test_off_never_calls_aiter(aiter_env, monkeypatch):
 def test_on_calls_aiter_and_sorts_like_torch(aiter_env):
     flag_env, install = aiter_env
     stub = install()
-    flag_env(DSV4_AITER="1")  # 1 ignores the device and numerics conditions
+    # 1 ignores the device and numerics conditions
+    kw = dict(numerics="reference", options=KernelOptions(aiter="1"))
     g = torch.Generator().manual_seed(1)
     s = torch.stack([torch.randperm(40, generator=g) for _ in range(3)]).to(torch.bfloat16)
-    vals, idx = aiter_ops.topk_rows(s, 7)  # distinct values: no ties to order
+    vals, idx = aiter_ops.topk_rows(s, 7, **kw)  # distinct values: no ties to order
     assert stub.calls == [("topk_plain", (3, 40), 7)]
     ref = s.topk(7, dim=-1)
     assert torch.equal(vals, ref.values) and torch.equal(idx, ref.indices)
@@ -119,10 +125,10 @@ def test_on_calls_aiter_and_sorts_like_torch(aiter_env):
 def test_on_keeps_torch_outside_the_kernel_limits(aiter_env):
     flag_env, install = aiter_env
     stub = install()
-    flag_env(DSV4_AITER="1")
+    kw = dict(numerics="reference", options=KernelOptions(aiter="1"))
     s = _scores(n=2, t=3000)
     for x, k in ((s, 0), (s, aiter_ops.TOPK_MAX_K + 1), (s.double(), 4), (s[:0], 4)):
-        vals, idx = aiter_ops.topk_rows(x, k)
+        vals, idx = aiter_ops.topk_rows(x, k, **kw)
         ref = x.topk(k, dim=-1)
         assert torch.equal(vals, ref.values) and torch.equal(idx, ref.indices)
     assert stub.calls == []
@@ -132,18 +138,18 @@ def test_auto_on_cpu_tensor_falls_back(aiter_env, monkeypatch):
     flag_env, install = aiter_env
     stub = install()
     _rocm(monkeypatch)
-    flag_env(DSV4_AITER="auto", DSV4_NUMERICS="fp32")
-    aiter_ops.topk_rows(_scores(), 4)
+    kw = dict(numerics="fp32", options=KernelOptions(aiter="auto"))
+    aiter_ops.topk_rows(_scores(), 4, **kw)
     assert stub.calls == []
 
 
 def test_auto_on_cpu_backend_falls_back_without_importing(aiter_env):
     flag_env, install = aiter_env
     stub = install()
-    flag_env(DSV4_NUMERICS="fp32")  # DSV4_AITER unset = auto
+    kw = dict(numerics="fp32", options=KernelOptions(aiter="auto"))  # DSV4_AITER unset = auto
     if platform.backend() != "cpu":
         pytest.skip("checks a CPU-only process")
-    aiter_ops.topk_rows(_scores(), 4)
+    aiter_ops.topk_rows(_scores(), 4, **kw)
     assert stub.calls == [] and aiter_ops.probe.cache_info().currsize == 0
 
 
@@ -151,10 +157,10 @@ def test_auto_with_reference_numerics_falls_back(aiter_env, monkeypatch):
     flag_env, install = aiter_env
     stub = install()
     _rocm(monkeypatch)
-    flag_env(DSV4_AITER="auto")  # DSV4_NUMERICS unset = reference
-    assert not aiter_ops.use_aiter("topk_rows", torch.empty(1, device="meta"))
-    flag_env(DSV4_AITER="auto", DSV4_NUMERICS="reference")
-    aiter_ops.topk_rows(_scores(), 4)
+    kw = dict(numerics="reference", options=KernelOptions(aiter="auto"))  # the defaults
+    assert not aiter_ops.use_aiter("topk_rows", torch.empty(1, device="meta"), **policy(kw))
+    kw = dict(numerics="reference", options=KernelOptions(aiter="auto"))
+    aiter_ops.topk_rows(_scores(), 4, **kw)
     assert stub.calls == []
 
 
@@ -164,27 +170,27 @@ def test_auto_uses_aiter_for_gpu_tensors_in_fp32(aiter_env, monkeypatch):
     flag_env, install = aiter_env
     install()
     _rocm(monkeypatch)
-    flag_env(DSV4_AITER="auto", DSV4_NUMERICS="fp32")
+    kw = dict(numerics="fp32", options=KernelOptions(aiter="auto"))
     fake_gpu = types.SimpleNamespace(device=torch.device("cuda", 0))
-    assert aiter_ops.use_aiter("topk_rows", fake_gpu)
-    assert not aiter_ops.use_aiter("topk_rows", torch.empty(1))
+    assert aiter_ops.use_aiter("topk_rows", fake_gpu, **policy(kw))
+    assert not aiter_ops.use_aiter("topk_rows", torch.empty(1), **policy(kw))
 
 
 def test_on_without_aiter_raises_naming_the_flag(aiter_env):
     flag_env, install = aiter_env
     install(stub=False)
-    flag_env(DSV4_AITER="1")
+    kw = dict(numerics="reference", options=KernelOptions(aiter="1"))
     with pytest.raises(aiter_ops.AiterUnavailableError, match="DSV4_AITER"):
-        aiter_ops.topk_rows(_scores(), 4)
+        aiter_ops.topk_rows(_scores(), 4, **kw)
 
 
 def test_on_with_an_aiter_lacking_the_op_falls_back(aiter_env):
     flag_env, install = aiter_env
     stub = install()
     del stub.topk_plain
-    flag_env(DSV4_AITER="1")
+    kw = dict(numerics="reference", options=KernelOptions(aiter="1"))
     s = _scores()
-    vals, idx = aiter_ops.topk_rows(s, 4)
+    vals, idx = aiter_ops.topk_rows(s, 4, **kw)
     assert torch.equal(idx, s.topk(4, dim=-1).indices)
     assert not aiter_ops.probe().has("topk_rows") and aiter_ops.probe().has("moe_gate")
 
@@ -199,9 +205,9 @@ def test_an_older_topk_plain_without_the_values_output_counts_as_missing(aiter_e
         raise AssertionError("the old signature must not be called")
 
     stub.topk_plain = old_topk_plain
-    flag_env(DSV4_AITER="1")
+    kw = dict(numerics="reference", options=KernelOptions(aiter="1"))
     s = _scores()
-    _, idx = aiter_ops.topk_rows(s, 4)
+    _, idx = aiter_ops.topk_rows(s, 4, **kw)
     assert torch.equal(idx, s.topk(4, dim=-1).indices)
     assert not aiter_ops.probe().has("topk_rows")
 
@@ -209,10 +215,10 @@ def test_an_older_topk_plain_without_the_values_output_counts_as_missing(aiter_e
 def test_probe_logs_one_line_listing_the_ops(aiter_env, caplog):
     flag_env, install = aiter_env
     install()
-    flag_env(DSV4_AITER="1")
+    kw = dict(numerics="reference", options=KernelOptions(aiter="1"))
     with caplog.at_level(logging.INFO, logger="hip_kernels.aiter_ops"):
         for _ in range(3):
-            aiter_ops.topk_rows(_scores(), 4)
+            aiter_ops.topk_rows(_scores(), 4, **kw)
         found = aiter_ops.probe()
     lines = [r for r in caplog.records if r.name == "hip_kernels.aiter_ops"]
     assert len(lines) == 1 and lines[0].levelno == logging.INFO
@@ -238,11 +244,11 @@ def test_probe_line_when_aiter_is_missing(aiter_env, caplog):
 def test_fallback_is_torch_topk(aiter_env, dtype, k):
     flag_env, install = aiter_env
     install(stub=False)
-    flag_env(DSV4_AITER="auto")
+    kw = dict(numerics="reference", options=KernelOptions(aiter="auto"))
     s = _scores(n=4, t=40, seed=k, dtype=dtype)
     s[1, ::3] = float("-inf")
     s[2, :] = s[2, 0]  # every entry tied
-    vals, idx = aiter_ops.topk_rows(s, k)
+    vals, idx = aiter_ops.topk_rows(s, k, **kw)
     ref = s.topk(k, dim=-1)
     assert torch.equal(vals, ref.values) and torch.equal(idx, ref.indices)
 
@@ -252,14 +258,25 @@ def test_fallback_is_torch_topk(aiter_env, dtype, k):
     (torch.zeros(2, 3), 4, "k"), (torch.zeros(2, 3), -1, "k"), (torch.zeros(2, 3), 1.0, "k"),
 ])
 def test_bad_input_names_the_argument(flag_env, scores, k, name):
-    flag_env(DSV4_AITER="0")
+    kw = dict(numerics="reference", options=KernelOptions(aiter="0"))
     with pytest.raises(ValueError, match=name):
-        aiter_ops.topk_rows(scores, k)
+        aiter_ops.topk_rows(scores, k, **kw)
 
 
 def test_unknown_op_names_the_argument(flag_env):
     with pytest.raises(ValueError, match="op="):
-        aiter_ops.use_aiter("fused_moe", torch.zeros(1))
+        aiter_ops.use_aiter("fused_moe", torch.zeros(1), aiter="auto", numerics="fp32")
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(aiter="on", numerics="fp32"), r"aiter='on': expected one of auto\|0\|1"),
+    (dict(aiter="auto", numerics="bf16"), r"numerics='bf16': expected one of reference\|fp32"),
+])
+def test_a_bad_policy_names_the_argument(bad, match):
+    with pytest.raises(ValueError, match=match):
+        aiter_ops.use_aiter("topk_rows", torch.zeros(1), **bad)
+    with pytest.raises(TypeError, match="options must be a hip_kernels.KernelOptions"):
+        aiter_ops.topk_rows(_scores(), 4, options="1")
 
 
 def test_indexer_select_dispatches(aiter_env):
@@ -301,23 +318,23 @@ def test_aiter_ops_match_torch_on_rocm(flag_env, dtype, n, t, k):
     if reason:
         pytest.skip(reason)
     aiter_ops.probe.cache_clear()
-    flag_env(DSV4_AITER="1")
+    kw = dict(numerics="reference", options=KernelOptions(aiter="1"))
     assert aiter_ops.probe().has("topk_rows")
     if dtype == torch.bfloat16:  # integers up to 256 are exact in bf16: keep the rows distinct
         t, k = min(t, 256), min(k, t, 256)
     g = torch.Generator(device="cuda").manual_seed(n * t + k)
     s = torch.stack([torch.randperm(t, generator=g, device="cuda") for _ in range(n)]).to(dtype)
     s[0, ::5] = float("-inf")
-    vals, idx = aiter_ops.topk_rows(s, k)
+    vals, idx = aiter_ops.topk_rows(s, k, **kw)
     ref = s.topk(k, dim=-1)
     assert torch.equal(vals, ref.values)
     finite = ref.values != float("-inf")
     assert torch.equal(idx[finite], ref.indices[finite])
     assert idx.dtype == torch.int64
-    flag_env(DSV4_AITER="auto", DSV4_NUMERICS="fp32")
-    assert aiter_ops.use_aiter("topk_rows", s)
-    flag_env(DSV4_AITER="auto", DSV4_NUMERICS="reference")
-    assert not aiter_ops.use_aiter("topk_rows", s)
+    kw = dict(numerics="fp32", options=KernelOptions(aiter="auto"))
+    assert aiter_ops.use_aiter("topk_rows", s, **policy(kw))
+    kw = dict(numerics="reference", options=KernelOptions(aiter="auto"))
+    assert not aiter_ops.use_aiter("topk_rows", s, **policy(kw))
     aiter_ops.probe.cache_clear()
 
 
@@ -336,12 +353,12 @@ def test_moe_gate_on_aiter_routes_as_the_torch_path(aiter_env, score_func):
     stub = install()
     g = torch.Generator().manual_seed(5)
     logits, bias = torch.randn(6, 16, generator=g), torch.randn(16, generator=g) * 0.1
-    flag_env(DSV4_AITER="0")
-    assert aiter_ops.moe_gate(logits, bias, 4, 2.5, score_func) is None   # torch's to run
+    kw = dict(numerics="reference", options=KernelOptions(aiter="0"))
+    assert aiter_ops.moe_gate(logits, bias, 4, 2.5, score_func, **kw) is None   # torch's to run
     want = biased_gate(logits, bias, 4, 2.5, score_func)
     assert stub.calls == []
-    flag_env(DSV4_AITER="1")
-    got = aiter_ops.moe_gate(logits, bias, 4, 2.5, score_func)
+    kw = dict(numerics="reference", options=KernelOptions(aiter="1"))
+    got = aiter_ops.moe_gate(logits, bias, 4, 2.5, score_func, **kw)
     assert stub.calls == [("topk_gating", score_func, score_func != "softmax", 2.5)]
     (gw, gi), (ww, wi) = _by_expert(*got), _by_expert(*want)
     assert gi.dtype == torch.int64 and torch.equal(gi, wi)
@@ -367,9 +384,9 @@ def test_the_models_gate_dispatches_only_biased_layers(aiter_env):
                                            generator=g))
     x = torch.randn(5, cfg.dim, generator=g).bfloat16()
     ids = torch.randint(0, cfg.vocab_size, (5,), generator=g)
-    flag_env(DSV4_AITER="0")
+    kw = dict(numerics="reference", options=KernelOptions(aiter="0"))
     want = [gate(x, ids) for gate in (biased, hashed)]
-    flag_env(DSV4_AITER="1")
+    kw = dict(numerics="reference", options=KernelOptions(aiter="1"))
     got = [gate(x, ids) for gate in (biased, hashed)]
     assert [c[0] for c in stub.calls] == ["topk_gating"]
     assert torch.equal(got[1][0], want[1][0]) and torch.equal(got[1][1], want[1][1])
@@ -403,11 +420,11 @@ def test_aiter_moe_gate_matches_torch_on_rocm(flag_env, score_func):
     g = torch.Generator(device="cuda").manual_seed(3)
     logits = torch.randn(37, 256, generator=g, device="cuda")
     bias = torch.randn(256, generator=g, device="cuda") * 0.01
-    flag_env(DSV4_AITER="0")
+    kw = dict(numerics="reference", options=KernelOptions(aiter="0"))
     want = biased_gate(logits, bias, 6, 2.5, score_func)
-    flag_env(DSV4_AITER="1")
+    kw = dict(numerics="reference", options=KernelOptions(aiter="1"))
     assert aiter_ops.probe().has("moe_gate")
-    (gw, gi), (ww, wi) = _by_expert(*aiter_ops.moe_gate(logits, bias, 6, 2.5, score_func)), \
+    (gw, gi), (ww, wi) = _by_expert(*aiter_ops.moe_gate(logits, bias, 6, 2.5, score_func, **kw)), \
         _by_expert(*want)
     assert torch.equal(gi, wi)
     torch.testing.assert_close(gw, ww, rtol=1e-5, atol=1e-6)
