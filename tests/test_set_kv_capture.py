@@ -17,8 +17,8 @@ def _inputs(n, seed):
     return kv, k
 
 
-def test_captured_stores_replay_live_locations_and_skip_negative(flag_env):
-    flag_env(DSV4_KERNEL_BACKEND="torch")
+def test_captured_stores_replay_live_locations_and_skip_negative():
+    torch_backend = hk.KernelOptions(backend="torch")
     n = 3
     weight = torch.rand(512) + 0.5
     freqs = torch.polar(torch.ones(64, 32), torch.rand(64, 32) * 6)
@@ -29,8 +29,9 @@ def test_captured_stores_replay_live_locations_and_skip_negative(flag_env):
     icache = torch.full((4, hk.indexer_page_bytes(P)), SENTINEL, dtype=torch.uint8)
 
     def step():
-        hk.fused_k_norm_rope_store(static_kv, weight, 1e-6, freqs, static_pos, static_loc, cache, P)
-        hk.indexer_store(static_k, icache, static_loc, P)
+        hk.fused_k_norm_rope_store(static_kv, weight, 1e-6, freqs, static_pos, static_loc, cache, P,
+                                   options=torch_backend)
+        hk.indexer_store(static_k, icache, static_loc, P, options=torch_backend)
 
     g = EmulatedGraph()
     with graph(g):
@@ -41,8 +42,9 @@ def test_captured_stores_replay_live_locations_and_skip_negative(flag_env):
         loc = torch.tensor(locs)
         pos = torch.tensor([3, 7, 11])
         want, iwant = cache.clone(), icache.clone()
-        hk.fused_k_norm_rope_store(kv, weight, 1e-6, freqs, pos, loc, want, P)
-        hk.indexer_store(k, iwant, loc, P)
+        hk.fused_k_norm_rope_store(kv, weight, 1e-6, freqs, pos, loc, want, P,
+                                   options=torch_backend)
+        hk.indexer_store(k, iwant, loc, P, options=torch_backend)
         static_kv.copy_(kv), static_k.copy_(k), static_pos.copy_(pos), static_loc.copy_(loc)
         g.replay()
         assert torch.equal(cache, want)
