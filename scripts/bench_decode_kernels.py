@@ -31,13 +31,11 @@ Run: python scripts/bench_decode_kernels.py [--quick] [--out FILE.json] [--batch
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 import bench_common as bc
 from bench_set_kv import peak_hbm_bytes_per_s, skip_reason
-from hip_kernels import flags, kv_layout as L, set_kv
+from hip_kernels import KernelOptions, kv_layout as L, set_kv
 from hip_kernels.decode_attention import sparse_decode_attention
 from hip_kernels.indexer_scores import indexer_scores
 
@@ -60,7 +58,7 @@ def attention_inputs(batch: int, args, g) -> dict:
     for _ in range(2):
         cache = torch.zeros(slots // PAGE, L.page_bytes(PAGE), dtype=torch.uint8)
         set_kv.fused_store_cache(torch.randn(slots, L.HEAD_DIM, generator=g).bfloat16(), cache,
-                                 torch.arange(slots), PAGE)
+                                 torch.arange(slots), PAGE, options=options("torch"))
         caches.append(cache.to(dev))
     return dict(q=torch.randn(batch, args.heads, L.HEAD_DIM, generator=g).bfloat16().to(dev),
                 swa_cache=caches[0], window_loc=_slots(g, batch, args.window, slots).to(dev),
@@ -77,7 +75,7 @@ def indexer_inputs(batch: int, args, g) -> dict:
     slots = -(-(args.index_rows + 1) // PAGE) * PAGE
     cache = torch.zeros(slots // PAGE, L.indexer_page_bytes(PAGE), dtype=torch.uint8)
     set_kv.indexer_store(torch.randn(slots, L.INDEX_DIM, generator=g).bfloat16(), cache,
-                         torch.arange(slots), PAGE, pow2_scale=True)
+                         torch.arange(slots), PAGE, pow2_scale=True, options=options("torch"))
     return dict(q=torch.randn(batch, args.index_heads, L.INDEX_DIM, generator=g).bfloat16()
                 .to(dev),
                 weights=(torch.randn(batch, args.index_heads, generator=g) * 0.01).bfloat16()
@@ -100,30 +98,27 @@ def moved_bytes(op: str, a: dict) -> int:
             + nbytes(a["window_loc"], a["window_valid"], a["comp_loc"], a["comp_valid"]))
 
 
-def run(op: str, numerics: str, a: dict):
+def options(backend: str) -> KernelOptions:
+    """The options of every timed call: no host range check (a sync per call)."""
+    return KernelOptions(backend=backend, value_checks=False)
+
+
+def run(op: str, numerics: str, backend: str, a: dict):
     if op == "indexer_scores":
-        return indexer_scores(**a)
-    return sparse_decode_attention(**a, reference=numerics == "reference")
-
-
-def use_backend(backend: str) -> None:
-    os.environ["DSV4_KERNEL_BACKEND"] = backend
-    flags.refresh()
+        return indexer_scores(**a, options=options(backend))
+    return sparse_decode_attention(**a, reference=numerics == "reference",
+                                   options=options(backend))
 
 
 def measure(op: str, numerics: str, backend: str, batch: int, args) -> dict:
     g = torch.Generator().manual_seed(batch)
-    use_backend("torch")                    # the caches are written on the CPU
     a = (indexer_inputs if op == "indexer_scores" else attention_inputs)(batch, args, g)
     diff = None
     if backend != "torch":
-        use_backend("torch")
-        want = run(op, numerics, a).float()
-        use_backend(backend)
-        got = run(op, numerics, a).float()
+        want = run(op, numerics, "torch", a).float()
+        got = run(op, numerics, backend, a).float()
         diff = float((got - want).abs().max())
-    use_backend(backend)
-    t = bc.time_op(lambda: run(op, numerics, a), args.warmup, args.reps).summary()
+    t = bc.time_op(lambda: run(op, numerics, backend, a), args.warmup, args.reps).summary()
     moved = moved_bytes(op, a)
     peak = peak_hbm_bytes_per_s()
     return {"op": op, "numerics": numerics, "backend": backend, "batch": batch,
@@ -170,7 +165,6 @@ def main(argv=None) -> dict:
     record["skipped"] = skipped
     record["notes"] = ([INTERPRETER_NOTE] if "triton" in args.backends
                        and "triton" not in skipped and not bc.on_gpu() else [])
-    os.environ["DSV4_KERNEL_VALUE_CHECKS"] = "0"
     cases = [(op, numerics, b, n)
              for op, modes in (("sparse_decode_attention", ("reference", "fp32")),
                                ("indexer_scores", ("reference",)))

@@ -7,7 +7,7 @@ store_kv_pack, indexer_store) x every backend that can run here x N rows in --ns
   triton  on a GPU; on a CPU only when asked (--backends ...,triton) with TRITON_INTERPRET=1 set,
           since only the interpreter runs there and its timings say nothing about a GPU;
   hip     the HIP C++ extension (ops 2, 3, 6), when it builds here (ROCm or CUDA with a compiler).
-Each backend's implementation is timed directly (hip_kernels.backend.implementation): no
+Each backend's implementation is timed directly (hip_kernels.set_kv_ops.implementation): no
 argument checks, so no host-synchronizing location range check. Before timing, the output bytes
 of every backend but torch are compared with the torch reference's on the same inputs.
 Locations are distinct random slots of a pool of `pages` pages (all rows written).
@@ -37,8 +37,9 @@ import torch
 
 import bench_common as bc
 from hip_kernels import kv_layout as L
-from hip_kernels.backend import HIP_OPS, implementation, triton_usable
+from hip_kernels.backend import HIP_OPS, triton_usable
 from hip_kernels.platform import fp8_dialect
+from hip_kernels.set_kv_ops import implementation
 
 OPS = ("fused_k_norm_rope_store", "fused_store_cache", "fused_translate_norm_rope_store",
        "store_kv_pack", "indexer_store")

@@ -164,8 +164,8 @@ def instrument_ours(model, rec: Recorder):
 
     hc_pre, hc_post, attend = mhc.hc_pre, mhc.hc_post, dm.attend
 
-    def hc_pre_w(x, fn, scale, base, *rest):
-        y, post, comb = hc_pre(x, fn, scale, base, *rest)
+    def hc_pre_w(x, fn, scale, base, *rest, **kw):
+        y, post, comb = hc_pre(x, fn, scale, base, *rest, **kw)
         layer = model.layers[rec.layer]
         part = "hc_attn" if fn is layer.hc_attn_fn else "hc_ffn"
         rec.put(f"{part}.y", y[0]); rec.put(f"{part}.post", post[0])
@@ -200,9 +200,9 @@ def instrument_ours(model, rec: Recorder):
 
     decode_op = dm.sparse_decode_attention
 
-    def decode_w(q, swa, wloc, wok, swa_page, cmp, cloc, cok, cmp_page, *rest):
+    def decode_w(q, swa, wloc, wok, swa_page, cmp, cloc, cok, cmp_page, *rest, **kw):
         """Decode attention reads the caches in place: record the rows it reads."""
-        o = decode_op(q, swa, wloc, wok, swa_page, cmp, cloc, cok, cmp_page, *rest)
+        o = decode_op(q, swa, wloc, wok, swa_page, cmp, cloc, cok, cmp_page, *rest, **kw)
         from hip_kernels import kv_layout
         rec.put("q", q[0])
         rec.put("win.rows", kv_layout.read_kv_rows(swa, wloc[0][wok[0]], swa_page))
