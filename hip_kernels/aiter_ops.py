@@ -7,9 +7,9 @@ path runs whenever aiter is not used (the MoE gate's torch path is the gate's ow
 (``numerics``, one of ``numerics.MODES``) the op's caller runs:
 
 - ``auto`` (the default): aiter runs an op only when aiter is importable, the op's tensors are on
-  a ROCm GPU, and the numerics mode is ``fp32``. aiter's kernels do not reproduce the reference code's
-  bits (a top-k breaks ties in its own order; aiter's other kernels round differently), so in the
-  default ``reference`` numerics auto keeps the bit-exact torch path.
+  a ROCm GPU, and the numerics mode is ``fp32``. aiter's kernels do not reproduce the reference
+  code's bits (a top-k breaks ties in its own order; aiter's other kernels round differently), so
+  in the default ``reference`` numerics auto keeps the bit-exact torch path.
 - ``1``: aiter runs every op it provides, whatever the numerics mode and whatever the tensors'
   device (aiter's own checks then refuse tensors it cannot take, e.g. CPU ones); an error naming
   DSV4_AITER if aiter cannot be imported at all.

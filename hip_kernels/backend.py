@@ -17,8 +17,7 @@ import torch
 
 from . import set_kv_hip
 from .options import BACKENDS
-from .platform import BackendUnavailable
-from .platform import backend as platform_backend
+from .platform import BackendUnavailable, backend as platform_backend
 
 HIP_OPS = ("fused_k_norm_rope_store", "fused_store_cache", "fused_translate_norm_rope_store")
 __all__ = ["BackendUnavailable", "HIP_OPS", "hip_available", "resolve", "triton_usable"]

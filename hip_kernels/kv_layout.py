@@ -18,7 +18,8 @@ Non-finite input (NaN or +-inf) is stored poisoned, the same bytes in every back
 reader sees NaN rather than a plausible number: a 64-wide nope tile holding one gets every value
 byte the dialect's NaN byte and scale byte 0xFF (ue8m0's NaN); a NaN RoPE value is stored as the
 bf16 NaN 0x7FC0 (infinities as they are); an indexer key holding one gets NaN value bytes and a
-NaN fp32 scale. `DSV4_REFUSE_NONFINITE_KV=1` makes the set-KV ops refuse such input instead.
+NaN fp32 scale. `KernelOptions(refuse_nonfinite=True)` (DSV4_REFUSE_NONFINITE_KV=1) makes the
+set-KV ops refuse such input instead.
 
 The functions here are the torch reference (the CPU path and every kernel's test oracle).
 """

@@ -11,7 +11,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import kv_layout as L
 from .numerics import DEFAULT_NUMERICS, Q_MODES
 from .triton_kv_row import (AMAX_FLOOR, FP32_NAN, INDEX_DIM, INDEX_POW2_AMAX_FLOOR,
                             LAUNCH_OPTIONS, N_TILES, NOPE_DIM, SCALE_BYTES, bf16_rms_inverse,
