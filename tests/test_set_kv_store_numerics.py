@@ -244,3 +244,10 @@ def test_triton_follows_the_reference_numerics(flag_env, dialect):
     default = run(flag_env, "triton", dialect, "fused_k_norm_rope_store", args,
                   N.DEFAULT_NUMERICS)
     assert not same_bytes(default["q"], out["triton"]["q"])   # the modes are told apart
+
+
+def test_the_models_store_numerics_per_mode():
+    assert N.store_numerics("reference") == N.REFERENCE_NUMERICS
+    assert N.store_numerics("fp32") == N.DEFAULT_NUMERICS
+    with pytest.raises(ValueError, match=r"numerics='bf16': expected one of reference\|fp32"):
+        N.store_numerics("bf16")
