@@ -176,10 +176,6 @@ class ModelConfig:
     def is_hash_layer(self, layer_id: int) -> bool:
         return layer_id < self.n_hash_layers
 
-    @property
-    def nope_head_dim(self) -> int:
-        return self.head_dim - self.rope_head_dim
-
     # ---- checks -------------------------------------------------------------------------------
 
     def validate(self) -> None:

@@ -40,10 +40,6 @@ class ForwardBatch:
         return self.req_pool_indices.shape[0]
 
     @property
-    def num_tokens(self) -> int:
-        return self.input_ids.shape[0]
-
-    @property
     def is_decode(self) -> bool:
         return self.forward_mode is ForwardMode.DECODE
 

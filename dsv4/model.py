@@ -52,21 +52,22 @@ class DeepseekV4DecoderLayer(nn.Module):
             self.register_parameter(f"hc_{part}_base", _f32(device, mix))
             self.register_parameter(f"hc_{part}_scale", _f32(device, 3))
 
-    def _hc_pre(self, x: torch.Tensor, part: str):
+    def _hc_pre(self, x: torch.Tensor, part: str, options: Options):
         c = self.config
         return mhc.hc_pre(x, getattr(self, f"hc_{part}_fn"), getattr(self, f"hc_{part}_scale"),
                           getattr(self, f"hc_{part}_base"), c.norm_eps, c.hc_sinkhorn_iters,
-                          c.hc_eps)
+                          c.hc_eps, reference=options.reference, options=options.kernel)
 
-    def attn_input(self, x: torch.Tensor):
+    def attn_input(self, x: torch.Tensor, options: Options):
         """mHC pre + attn_norm: (y [N, dim], post, comb) from the hidden copies x [N, hc, dim]."""
-        y, post, comb = self._hc_pre(x, "attn")
+        y, post, comb = self._hc_pre(x, "attn", options)
         return self.attn_norm(y), post, comb
 
-    def ffn_block(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    def ffn_block(self, x: torch.Tensor, input_ids: torch.Tensor,
+                  options: Options) -> torch.Tensor:
         """The whole FFN half: mHC pre, ffn_norm, MoE, mHC post."""
-        y, post, comb = self._hc_pre(x, "ffn")
-        return mhc.hc_post(self.ffn(self.ffn_norm(y), input_ids), x, post, comb)
+        y, post, comb = self._hc_pre(x, "ffn", options)
+        return mhc.hc_post(self.ffn(self.ffn_norm(y), input_ids, options), x, post, comb)
 
     # ---- paged execution ----------------------------------------------------------------------
 
@@ -74,10 +75,10 @@ class DeepseekV4DecoderLayer(nn.Module):
                 token_to_kv_pool, freqs_cis: torch.Tensor,
                 ring_capture: RingRowCapture | None = None) -> torch.Tensor:
         """Hidden copies [N, hc, dim] -> the same after this layer; freqs_cis: the layer's table."""
-        y, post, comb = self.attn_input(x)
+        y, post, comb = self.attn_input(x, meta.options)
         out = self.paged(y, batch, meta, token_to_kv_pool, freqs_cis, ring_capture)
         x = mhc.hc_post(out, x, post, comb)
-        return self.ffn_block(x, batch.input_ids)
+        return self.ffn_block(x, batch.input_ids, meta.options)
 
 
 class DeepseekV4Model(nn.Module):

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hip_kernels import kv_layout, set_kv
+from hip_kernels import KernelOptions, kv_layout, set_kv
 from hip_kernels.decode_attention import sparse_decode_attention
 from hip_kernels.indexer_scores import indexer_scores
 
@@ -24,6 +24,7 @@ from .attention_metadata import AttentionMetadata, CompressPlan
 from .layers.attention import Attention
 from .layers.compressor import Compressor
 from .layers.indexer import Indexer
+from .options import Options
 
 # Queries attended per chunk in a long extend (bounds the gathered rows' memory).
 EXTEND_CHUNK = 256
@@ -97,13 +98,14 @@ def run_compressor(comp: Compressor, x: torch.Tensor, positions: torch.Tensor, p
 
 
 def select_rows(indexer: Indexer, qr, x, freqs, plan: CompressPlan, rows: slice, cache,
-                page_size: int, reference: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                page_size: int, options: Options) -> tuple[torch.Tensor, torch.Tensor]:
     """(compressed locations [n, k], valid [n, k]) the indexer keeps for the queries in rows.
     The scores are one op reading the FP8 key cache in place (a Triton kernel on a GPU)."""
-    q = indexer.project_q(qr, freqs, reference)
-    w = indexer.head_weights(x, reference)
+    q = indexer.project_q(qr, freqs, options.reference)
+    w = indexer.head_weights(x, options.reference)
     loc, visible = plan.row_loc[rows], plan.row_valid[rows]
-    pick = indexer.select(indexer_scores(q, w, cache, loc, visible, page_size), visible)
+    scores = indexer_scores(q, w, cache, loc, visible, page_size, options=options.kernel)
+    pick = indexer.select(scores, visible, options)
     return loc.gather(1, pick.clamp(min=0)), pick >= 0
 
 
@@ -120,7 +122,7 @@ def attend(attn: Attention, q: torch.Tensor, qr: torch.Tensor, x: torch.Tensor,
     layer's ``LayerCaches``. Decode: one op reading the FP8 rows in place
     (``hip_kernels.sparse_decode_attention``, a Triton kernel on a GPU). Extend: each distinct
     row is dequantized once for all the queries of a chunk, then the same math."""
-    reference = meta.options.reference
+    options = meta.options
     n = q.shape[0]
     chunk = n if decode or n <= EXTEND_CHUNK else EXTEND_CHUNK
     outs = []
@@ -132,36 +134,38 @@ def attend(attn: Attention, q: torch.Tensor, qr: torch.Tensor, x: torch.Tensor,
             plan = meta.plans[attn.ratio]
             if attn.indexer is not None:
                 comp = select_rows(attn.indexer, qr[rows], x[rows], freqs[rows], plan, rows,
-                                   caches.index, caches.index_page_size, reference)
+                                   caches.index, caches.index_page_size, options)
             else:
                 comp = plan.row_loc[rows], plan.row_valid[rows]
         if decode:
             o = sparse_decode_attention(
                 q[rows], caches.swa, *window, caches.swa_page_size,
                 caches.compressed if comp else None, *(comp or (None, None)),
-                caches.compressed_page_size, attn.attn_sink, attn.softmax_scale, reference)
+                caches.compressed_page_size, attn.attn_sink, attn.softmax_scale,
+                options.reference, options=options.kernel)
         else:
             kv = [read_kv_shared(caches.swa, window[0], caches.swa_page_size)]
             valid = [window[1]]
             if comp:
                 kv.append(read_kv_shared(caches.compressed, comp[0], caches.compressed_page_size))
                 valid.append(comp[1])
-            o = attn.sparse_attention(q[rows], kv, valid, reference)
+            o = attn.sparse_attention(q[rows], kv, valid, options.reference)
         outs.append(attn.project_out(o, freqs[rows]))
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
-def store_compressed(caches):
+def store_compressed(caches, options: KernelOptions):
     return lambda rows, loc: set_kv.fused_store_cache(rows, caches.compressed, loc,
-                                                      caches.compressed_page_size)
+                                                      caches.compressed_page_size,
+                                                      options=options)
 
 
-def store_index_keys(caches):
+def store_index_keys(caches, options: KernelOptions):
     """The indexer keys' store: ``set_kv.indexer_store`` with a power-of-two scale per row
     (2^ceil(log2(amax / FP8_MAX))), so the FP4-simulated keys (e2m1 values times a power of
     two: fp8 values) read back exactly. One dispatcher op; rows with loc < 0 write nothing."""
     return lambda rows, loc: set_kv.indexer_store(rows, caches.index, loc, caches.index_page_size,
-                                                  pow2_scale=True)
+                                                  pow2_scale=True, options=options)
 
 
 class PagedAttention:
@@ -207,14 +211,15 @@ class PagedAttention:
         q, qr = self.attn.project_q(y)
         kv = self.attn.project_kv(y)
         args = (kv, self.attn.kv_norm.weight, self.attn.eps, freqs_cis, batch.positions)
-        numerics = meta.options.store_numerics
+        numerics, options = meta.options.store_numerics, meta.options.kernel
         if meta.swa_write_loc is None:
             set_kv.fused_translate_norm_rope_store(
                 *args, batch.out_cache_loc, pool.registered_mapping(), caches.swa,
-                caches.swa_page_size, q=q, numerics=numerics)
+                caches.swa_page_size, q=q, numerics=numerics, options=options)
         else:
             set_kv.fused_k_norm_rope_store(*args, meta.swa_write_loc, caches.swa,
-                                           caches.swa_page_size, q=q, numerics=numerics)
+                                           caches.swa_page_size, q=q, numerics=numerics,
+                                           options=options)
         return q, qr
 
     def prepare(self, y, batch, meta, pool, caches, freqs_cis, ring_capture=None):
@@ -251,14 +256,14 @@ class PagedAttention:
 
     def _run_compressor(self, y, batch, meta, caches, freqs_cis, ring_capture):
         new = run_compressor(self.attn.compressor, y, batch.positions, meta.plans[self.ratio],
-                             caches.state, store_compressed(caches), freqs_cis,
-                             meta.options.reference)
+                             caches.state, store_compressed(caches, meta.options.kernel),
+                             freqs_cis, meta.options.reference)
         if self.ratio == 4 and ring_capture is not None:
             ring_capture.keep("compressor_state", self.layer_id, new)
 
     def _run_indexer_compressor(self, y, batch, meta, caches, freqs_cis, ring_capture):
         new = run_compressor(self.attn.indexer.compressor, y, batch.positions, meta.plans[4],
-                             caches.index_state, store_index_keys(caches), freqs_cis,
-                             meta.options.reference)
+                             caches.index_state, store_index_keys(caches, meta.options.kernel),
+                             freqs_cis, meta.options.reference)
         if ring_capture is not None:
             ring_capture.keep("indexer_compressor_state", self.layer_id, new)

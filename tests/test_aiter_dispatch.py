@@ -280,20 +280,20 @@ def test_a_bad_policy_names_the_argument(bad, match):
 
 
 def test_indexer_select_dispatches(aiter_env):
-    """Indexer.select goes through topk_rows: with DSV4_AITER=1 the stub runs it, and the result
-    is the torch path's, -1 where fewer rows are visible than k."""
+    """Indexer.select goes through topk_rows: with the options' aiter="1" the stub runs it, and
+    the result is the torch path's, -1 where fewer rows are visible than k."""
     from dsv4.layers.indexer import Indexer
-    flag_env, install = aiter_env
+    from dsv4.options import Options
+    _, install = aiter_env
     stub = install()
     ix = types.SimpleNamespace(topk=4)
     s = _scores(n=3, t=6)
     visible = torch.ones(3, 6, dtype=torch.bool)
     visible[1, 2:] = False
-    flag_env(DSV4_AITER="0")
-    ref = Indexer.select(ix, s, visible)
+    ref = Indexer.select(ix, s, visible, Options(kernel=KernelOptions(aiter="0")))
     assert stub.calls == [] and (ref[1, 2:] == -1).all()
-    flag_env(DSV4_AITER="1")
-    assert torch.equal(Indexer.select(ix, s, visible), ref)
+    assert torch.equal(Indexer.select(ix, s, visible, Options(kernel=KernelOptions(aiter="1"))),
+                       ref)
     assert [c[0] for c in stub.calls] == ["topk_plain"]
 
 
@@ -366,11 +366,12 @@ def test_moe_gate_on_aiter_routes_as_the_torch_path(aiter_env, score_func):
 
 
 def test_the_models_gate_dispatches_only_biased_layers(aiter_env):
-    """A biased layer's Gate goes through moe_gate (aiter with DSV4_AITER=1, same routing); a
-    hash layer (experts from the token id) never calls aiter."""
+    """A biased layer's Gate goes through moe_gate (aiter with the options' aiter="1", same
+    routing); a hash layer (experts from the token id) never calls aiter."""
     from dsv4.config import ModelConfig
     from dsv4.layers.moe import Gate
-    flag_env, install = aiter_env
+    from dsv4.options import Options
+    _, install = aiter_env
     stub = install()
     cfg = ModelConfig.preset("tiny")
     g = torch.Generator().manual_seed(9)
@@ -384,10 +385,10 @@ def test_the_models_gate_dispatches_only_biased_layers(aiter_env):
                                            generator=g))
     x = torch.randn(5, cfg.dim, generator=g).bfloat16()
     ids = torch.randint(0, cfg.vocab_size, (5,), generator=g)
-    kw = dict(numerics="reference", options=KernelOptions(aiter="0"))
-    want = [gate(x, ids) for gate in (biased, hashed)]
-    kw = dict(numerics="reference", options=KernelOptions(aiter="1"))
-    got = [gate(x, ids) for gate in (biased, hashed)]
+    off, on = (Options(kernel=KernelOptions(aiter=a)) for a in ("0", "1"))
+    want = [gate(x, ids, off) for gate in (biased, hashed)]
+    assert stub.calls == []
+    got = [gate(x, ids, on) for gate in (biased, hashed)]
     assert [c[0] for c in stub.calls] == ["topk_gating"]
     assert torch.equal(got[1][0], want[1][0]) and torch.equal(got[1][1], want[1][1])
     (gw, gi), (ww, wi) = _by_expert(*got[0]), _by_expert(*want[0])

@@ -7,6 +7,7 @@ import torch
 
 import dense_reference as ref
 from dsv4.config import ModelConfig
+from dsv4.options import Options
 from dsv4.layers import mhc
 from dsv4.layers.attention import Attention
 from dsv4.layers.compressor import Compressor
@@ -16,6 +17,7 @@ from dsv4.layers.rope import (apply_rotary_emb, find_correction_range, layer_fre
                               rope_frequencies)
 from hip_kernels import capture
 
+OPTIONS = Options()
 TINY = ModelConfig.preset("tiny")
 
 
@@ -62,7 +64,7 @@ def test_sinkhorn_gives_a_doubly_stochastic_comb():
     hc = 4
     mixes = torch.randn(5, (2 + hc) * hc)
     pre, post, comb = mhc.hc_split(mixes, torch.tensor([1.0, 1.0, 1.0]), torch.zeros(24), hc, 20,
-                                   1e-6)
+                                   1e-6, reference=True, options=OPTIONS.kernel)
     assert (comb > 0).all() and (pre > 0).all() and ((post > 0) & (post < 2)).all()
     # 20 iterations end on a column step: columns sum to 1, rows nearly (Sinkhorn converges)
     torch.testing.assert_close(comb.sum(-1), torch.ones(5, hc), atol=1e-2, rtol=0)
@@ -72,7 +74,8 @@ def test_sinkhorn_gives_a_doubly_stochastic_comb():
 def test_hc_pre_post_match_the_dense_restatement():
     x = torch.randn(6, 4, 64).to(torch.bfloat16)
     fn, base, scale = torch.randn(24, 256) / 16, torch.randn(24), torch.rand(3)
-    y, post, comb = mhc.hc_pre(x, fn, scale, base, 1e-6, 20, 1e-6)
+    y, post, comb = mhc.hc_pre(x, fn, scale, base, 1e-6, 20, 1e-6, reference=True,
+                               options=OPTIONS.kernel)
     pre_r, post_r, comb_r = ref.hc_weights(x, fn, scale, base, TINY)
     torch.testing.assert_close(y, ref.hc_combine(x, pre_r))
     torch.testing.assert_close(comb, comb_r)
@@ -177,10 +180,10 @@ def test_grouped_moe_matches_the_dense_restatement_and_reads_nothing_on_the_host
     torch.Tensor.tolist = lambda t: pytest.fail("MoE read a tensor to the host")
     try:
         with torch.no_grad(), HostReads():
-            eager = moe(x, ids)
+            eager = moe(x, ids, OPTIONS)
             capture.set_emulated_capture(True)
             try:
-                captured = moe(x, ids)
+                captured = moe(x, ids, OPTIONS)
             finally:
                 capture.set_emulated_capture(False)
     finally:
@@ -191,7 +194,7 @@ def test_grouped_moe_matches_the_dense_restatement_and_reads_nothing_on_the_host
     assert torch.equal(eager, captured)
     assert torch.equal(eager, want)
     if layer_id < TINY.n_hash_layers:
-        _, idx = moe.gate(x, ids)
+        _, idx = moe.gate(x, ids, OPTIONS)
         assert torch.equal(idx, moe.gate.tid2eid[ids])
 
 

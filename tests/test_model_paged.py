@@ -47,13 +47,13 @@ class ChoiceRecorder:
                        if not l.ffn.gate.hash}
         select, gate = Indexer.select, Gate.forward
 
-        def record_select(ind, scores, visible):
-            out = select(ind, scores, visible)
+        def record_select(ind, scores, visible, options):
+            out = select(ind, scores, visible, options)
             self.picks[id(ind)][1].append(out)
             return out
 
-        def record_gate(g, x, input_ids):
-            weights, idx = gate(g, x, input_ids)
+        def record_gate(g, x, input_ids, options):
+            weights, idx = gate(g, x, input_ids, options)
             if id(g) in self.routes:
                 self.routes[id(g)][1].append(idx)
             return weights, idx

@@ -21,6 +21,7 @@ from hip_kernels import KernelOptions
 from dsv4.checkpoint import load_model, save_random_checkpoint
 from dsv4.config import ModelConfig
 from dsv4.engine import Engine
+from dsv4.options import Options
 from dsv4.layers import mhc
 from hip_kernels import mhc_split
 from dsv4.weights import quant
@@ -159,14 +160,14 @@ def test_decoder_layer_mhc_runs_the_configured_sinkhorn_and_matches_the_dense_re
         comb_18 = ref.hc_weights(x, fn, scale, base,
                                  dataclasses.replace(cfg20, hc_sinkhorn_iters=18))[2]
         assert (comb_18 - comb_r).abs().max() > 1e-3
-        y, post, comb = layer._hc_pre(x, part)
+        y, post, comb = layer._hc_pre(x, part, Options())
         torch.testing.assert_close(comb, comb_r, atol=1e-6, rtol=0)
         torch.testing.assert_close(post, post_r, atol=1e-6, rtol=0)
         torch.testing.assert_close(y, ref.hc_combine(x, pre_r), atol=1e-5, rtol=1e-5)
         out = torch.randn(8, TINY.dim, generator=g)
         torch.testing.assert_close(mhc.hc_post(out, x, post, comb),
                                    ref.hc_expand(out, x, post_r, comb_r), atol=1e-5, rtol=1e-5)
-    _, _, comb = layer.attn_input(x)
+    _, _, comb = layer.attn_input(x, Options())
     torch.testing.assert_close(comb, ref.hc_weights(x, layer.hc_attn_fn, layer.hc_attn_scale,
                                                      layer.hc_attn_base, cfg20)[2],
                                atol=1e-6, rtol=0)

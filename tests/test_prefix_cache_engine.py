@@ -14,6 +14,7 @@ import torch
 from dsv4.config import ModelConfig
 from dsv4.engine import Engine
 from dsv4.model import DeepseekV4Model
+from dsv4.options import Options
 from dsv4.random_init import init_random_weights
 from hip_kernels import flags
 from mem_pool.prefix.file_page_store import PAGE_SUFFIX
@@ -41,9 +42,9 @@ def ids(n, seed):
 BASE = ids(600, seed=11)
 
 
-def engine(model, cache, graph=False):
+def engine(model, cache, graph=False, options=None):
     return Engine(model, page_size=PAGE, max_batch=2, max_context_len=MAX_LEN, graph=graph,
-                  prefix_cache=cache)
+                  prefix_cache=cache, options=options)
 
 
 def assert_nothing_held(e: Engine):
@@ -55,13 +56,18 @@ def assert_nothing_held(e: Engine):
 
 @pytest.fixture(scope="module")
 def without_cache(model):
-    """Logits and tokens of a prompt run on an engine with no cache, memoized."""
-    e, memo = engine(model, False), {}
+    """Logits and tokens of a prompt run on an engine with no cache, with the options the
+    calling test's flags give (an engine reads them when made: one engine per options),
+    memoized."""
+    engines, memo = {}, {}
 
     def run(prompt):
-        key = tuple(prompt)
+        options = Options.from_env()
+        if options not in engines:
+            engines[options] = engine(model, False, options=options)
+        key = (tuple(prompt), options)
         if key not in memo:
-            memo[key] = e.generate([prompt], STEPS, return_logits=True)
+            memo[key] = engines[options].generate([prompt], STEPS, return_logits=True)
         return memo[key]
     return run
 

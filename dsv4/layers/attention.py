@@ -3,10 +3,11 @@
 The module holds the parameters and the math of each step; where KV rows live (the paged caches)
 is the caller's business:
 
-1. ``project_q``: ``qr = q_norm(wq_a(x))``, ``q = wq_b(qr)`` as [N, H, 512] (before its norm).
-   ``norm_rope_q``: weightless per-head RMSNorm, RoPE on dims 448..511.
-2. ``project_kv``: ``wkv(x)`` [N, 512]; ``norm_rope_kv``: kv_norm, RoPE (the FP8 simulation of the
-   nope dims is the cache's quantization at the store).
+1. ``project_q``: ``qr = q_norm(wq_a(x))``, ``q = wq_b(qr)`` as [N, H, 512] (before its norm;
+   the weightless per-head RMSNorm and the RoPE on dims 448..511 are fused into the window
+   store, ``hip_kernels.set_kv``).
+2. ``project_kv``: ``wkv(x)`` [N, 512]; kv_norm, RoPE and the FP8 simulation of the nope dims are
+   the window store's (the cache's quantization).
 3. ``sparse_attention``: one softmax over the gathered row segments (window, compressed) with the
    head's sink in the denominator (reference numerics: in the reference kernel's row order and
    64-row blocks, bf16 probabilities in P.V; fp32: one pass, fp32 probabilities).
@@ -23,7 +24,7 @@ from hip_kernels.decode_attention import sparse_attention_rows
 from .compressor import Compressor
 from .indexer import Indexer
 from .linear import Linear
-from .norm import RMSNorm, rms_norm
+from .norm import RMSNorm
 from .rope import rope_tail
 
 
@@ -62,14 +63,8 @@ class Attention(nn.Module):
         qr = self.q_norm(self.wq_a(x))
         return self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), qr
 
-    def norm_rope_q(self, q: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-        return rope_tail(rms_norm(q, None, self.eps), freqs_cis, self.rope_dim)
-
     def project_kv(self, x: torch.Tensor) -> torch.Tensor:
         return self.wkv(x)
-
-    def norm_rope_kv(self, kv: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-        return rope_tail(self.kv_norm(kv), freqs_cis, self.rope_dim)
 
     def sparse_attention(self, q: torch.Tensor, kv: list[torch.Tensor],
                          valid: list[torch.Tensor], reference: bool) -> torch.Tensor:

@@ -17,6 +17,7 @@ from torch import nn
 
 from hip_kernels import aiter_ops
 
+from ..options import Options
 from .compressor import Compressor
 from .linear import Linear
 from .quant_sim import fp4_quant_dequant, hadamard_rotate
@@ -51,10 +52,12 @@ class Indexer(nn.Module):
             w = w.float()
         return w * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
 
-    def select(self, scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    def select(self, scores: torch.Tensor, visible: torch.Tensor,
+               options: Options) -> torch.Tensor:
         """Top-k of scores [N, T] among visible [N, T] rows: int64 [N, min(topk, T)], -1 where a
-        query has fewer visible rows than that."""
+        query has fewer visible rows than that (on aiter where options allow it)."""
         k = min(self.topk, scores.shape[1])
         masked = scores.masked_fill(~visible, float("-inf"))
-        vals, idx = aiter_ops.topk_rows(masked, k)
+        vals, idx = aiter_ops.topk_rows(masked, k, numerics=options.numerics,
+                                        options=options.kernel)
         return idx.masked_fill(vals == float("-inf"), -1)

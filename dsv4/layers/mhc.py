@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hip_kernels import mhc_split
+from hip_kernels import KernelOptions, mhc_split
 
 
 def hc_mixes(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
@@ -21,16 +21,21 @@ def hc_mixes(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor
 
 
 def hc_split(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,
-             eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             eps: float, *, reference: bool, options: KernelOptions
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """pre [N, hc], post [N, hc], comb [N, hc, hc] (Sinkhorn-normalised) from the mixes
-    [N, (2 + hc) * hc]: one fused op (``hip_kernels.mhc_split``)."""
-    return mhc_split.hc_split(mixes.flatten(0, -2), scale, base, hc, iters, eps)
+    [N, (2 + hc) * hc]: one fused op (``hip_kernels.mhc_split``; reference: the reference
+    numerics' Sinkhorn; options: the kernel options)."""
+    return mhc_split.hc_split(mixes.flatten(0, -2), scale, base, hc, iters, eps,
+                              reference=reference, options=options)
 
 
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
-           norm_eps: float, iters: int, hc_eps: float):
+           norm_eps: float, iters: int, hc_eps: float, *, reference: bool,
+           options: KernelOptions):
     """Block input y [N, D] (x's dtype) and the (post, comb) weights for hc_post."""
-    pre, post, comb = hc_split(hc_mixes(x, fn, norm_eps), scale, base, x.shape[-2], iters, hc_eps)
+    pre, post, comb = hc_split(hc_mixes(x, fn, norm_eps), scale, base, x.shape[-2], iters, hc_eps,
+                               reference=reference, options=options)
     y = (pre.unsqueeze(-1) * x.float()).sum(-2)
     return y.to(x.dtype), post, comb
 

@@ -10,6 +10,7 @@ from torch import nn
 
 from hip_kernels import aiter_ops
 
+from ..options import Options
 from .linear import Linear
 
 
@@ -58,14 +59,16 @@ class Gate(nn.Module):
             self.bias = nn.Parameter(torch.zeros(cfg.n_routed_experts, dtype=torch.float32,
                                                  device=device))
 
-    def forward(self, x: torch.Tensor,
-                input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor,
+                options: Options) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights fp32 [N, k], expert indices int64 [N, k]). A biased gate is one op on aiter
-        (``aiter_ops.moe_gate``) where DSV4_AITER allows it, else ``biased_gate``."""
+        (``aiter_ops.moe_gate``) where options.kernel.aiter and the numerics allow it, else
+        ``biased_gate``."""
         logits = F.linear(x.float(), self.weight.float())
         if not self.hash:
             routed = aiter_ops.moe_gate(logits, self.bias, self.topk, self.route_scale,
-                                        self.score_func)
+                                        self.score_func, numerics=options.numerics,
+                                        options=options.kernel)
             if routed is not None:
                 return routed
             return biased_gate(logits, self.bias, self.topk, self.route_scale, self.score_func)
@@ -167,8 +170,8 @@ class MoE(nn.Module):
         return torch.zeros(n, x.shape[1], dtype=torch.float32, device=x.device).index_add_(
             0, token, out.float())
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        weights, indices = self.gate(x, input_ids)
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, options: Options) -> torch.Tensor:
+        weights, indices = self.gate(x, input_ids, options)
         y = self.routed(x, weights, indices)
         if self.shared_experts is not None:
             y += self.shared_experts(x)

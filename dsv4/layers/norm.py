@@ -6,15 +6,6 @@ import torch
 from torch import nn
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """x * rsqrt(mean(x^2) + eps) over the last dim (times weight if given), in x's dtype."""
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
-    if weight is not None:
-        y = weight.float() * y
-    return y.to(x.dtype)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, device=None):
         super().__init__()
@@ -23,4 +14,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        """weight * x * rsqrt(mean(x^2) + eps) over the last dim, in x's dtype."""
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * y).to(x.dtype)

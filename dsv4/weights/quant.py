@@ -22,17 +22,6 @@ DEFAULT_FP8_BLOCK = (128, 128)
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
-FP8_DTYPES = (torch.float8_e4m3fn,)
-FP4_DTYPES = (torch.int8, torch.uint8, torch.float4_e2m1fn_x2)
-
-
-def is_fp8(t: torch.Tensor) -> bool:
-    return t.dtype in FP8_DTYPES
-
-
-def is_fp4(t: torch.Tensor) -> bool:
-    return t.dtype in FP4_DTYPES
-
 
 def scale_to_float(scale: torch.Tensor) -> torch.Tensor:
     """Scale tensor as float32: ue8m0 bytes become exact powers of two."""
