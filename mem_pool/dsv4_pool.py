@@ -33,9 +33,8 @@ class DeepSeekV4TokenToKVPool:
     def __init__(self, spec: KVCacheSpec, max_total_tokens: int, swa_tokens: int, page_size: int,
                  device: torch.device | str = "cpu", max_num_reqs: int | None = None, *,
                  cache_swa_translation: bool | None = None, swa_cache_verify: bool | None = None):
-        """cache_swa_translation, swa_cache_verify: the SWA location cache's `enabled` and
-        `verify` (see SwaLocCache); None reads DSV4_CACHE_SWA_TRANSLATION /
-        DSV4_SWA_CACHE_VERIFY once, here."""
+        """cache_swa_translation, swa_cache_verify: the SWA location cache's switches (see
+        SwaLocCache); None reads DSV4_CACHE_SWA_TRANSLATION / DSV4_SWA_CACHE_VERIFY once, here."""
         spec.check_page_size(page_size)
         for name, n in (("max_total_tokens", max_total_tokens), ("swa_tokens", swa_tokens)):
             if n < page_size or n % page_size:
@@ -72,8 +71,9 @@ class DeepSeekV4TokenToKVPool:
                                               for i in c4}
         self.full_to_swa_index_mapping: torch.Tensor | None = None
         self.swa_loc_stats = SwaLocStats()
-        self._loc_cache = SwaLocCache(self.swa_loc_stats, enabled=cache_swa_translation,
-                                      verify=swa_cache_verify)
+        self._loc_cache = SwaLocCache(self.swa_loc_stats,
+                                      cache_swa_translation=cache_swa_translation,
+                                      swa_cache_verify=swa_cache_verify)
         logger.info("DeepSeek-V4 KV pool: layers %d..%d, %d full + %d SWA tokens, page %d, "
                     "%d request slots, %.2f GiB", self.start_layer, self.end_layer - 1,
                     max_total_tokens, swa_tokens, page_size, max_num_reqs, self.nbytes / 2**30)

@@ -27,9 +27,9 @@ What it sees and what it cannot: every in-place torch op on the location tensor 
 and so misses. Writes that bypass the counter are invisible: through `tensor.data`, through a
 numpy view (`tensor.numpy()`), through another framework's view of the memory (DLPack), or by a
 custom kernel writing the memory. After such a write call `invalidate()` (the pool's
-`invalidate_loc_cache()`). A cache made with `verify=True` (DSV4_SWA_CACHE_VERIFY=1) recomputes
-every hit and raises `StaleSwaLocError` on a stale one (a host sync per hit; never inside graph
-capture).
+`invalidate_loc_cache()`). A cache made with `swa_cache_verify=True` (DSV4_SWA_CACHE_VERIFY=1)
+recomputes every hit and raises `StaleSwaLocError` on a stale one (a host sync per hit; never
+inside graph capture).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 
 class StaleSwaLocError(RuntimeError):
-    """A cached translation no longer matches the mapping (a cache made with verify=True)."""
+    """A cached translation no longer matches the mapping (found with swa_cache_verify=True)."""
 
 
 @dataclass
@@ -77,19 +77,22 @@ def _version(t: torch.Tensor) -> int | None:
 class SwaLocCache:
     """A small LRU of translations (>= 2 entries, so interleaved micro-batches do not thrash).
 
-    enabled: cache translations (False: translate on every call). verify: recompute every hit
-    and raise StaleSwaLocError on a stale one. None reads DSV4_CACHE_SWA_TRANSLATION /
-    DSV4_SWA_CACHE_VERIFY, once, here: both are fixed for the cache's life."""
+    cache_swa_translation: cache translations (False: translate on every call).
+    swa_cache_verify: recompute every hit and raise StaleSwaLocError on a stale one. None reads
+    DSV4_CACHE_SWA_TRANSLATION / DSV4_SWA_CACHE_VERIFY, once, here: both are fixed for the
+    cache's life (`enabled`, `verify`)."""
 
-    def __init__(self, stats: SwaLocStats, capacity: int = 4, *, enabled: bool | None = None,
-                 verify: bool | None = None):
+    def __init__(self, stats: SwaLocStats, capacity: int = 4, *,
+                 cache_swa_translation: bool | None = None,
+                 swa_cache_verify: bool | None = None):
         if capacity < 2:
             raise ValueError(f"capacity must be >= 2 (two micro-batches interleave), got "
                              f"{capacity}")
         self.stats = stats
         self.capacity = capacity
-        self.enabled = _flag_value("enabled", enabled, envs.CACHE_SWA_TRANSLATION)
-        self.verify = _flag_value("verify", verify, envs.SWA_CACHE_VERIFY)
+        self.enabled = _flag_value("cache_swa_translation", cache_swa_translation,
+                                   envs.CACHE_SWA_TRANSLATION)
+        self.verify = _flag_value("swa_cache_verify", swa_cache_verify, envs.SWA_CACHE_VERIFY)
         self.generation = 0
         self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
         self._warned_unversioned = False

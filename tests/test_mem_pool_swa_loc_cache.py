@@ -276,7 +276,7 @@ def test_the_flags_are_read_once_when_the_pool_is_made(flag_env, at_construction
 @pytest.mark.parametrize("name, value", [("cache_swa_translation", 1),
                                          ("swa_cache_verify", "0")])
 def test_switches_must_be_bools(name, value):
-    with pytest.raises(TypeError, match="must be a bool, or None to read DSV4_"):
+    with pytest.raises(TypeError, match=f"{name} must be a bool, or None to read DSV4_"):
         layered_pool(**{name: value})
 
 
