@@ -1,9 +1,6 @@
-"""`python -m dsv4 generate`: prompts in, generated tokens and a speed report out.
-
-Prompts: `--prompt TEXT` (needs a checkpoint with tokenizer.json), `--prompt-ids 1,2,3`,
-`--prompt-file FILE` (one prompt per line: ids or text), or `--batch` random prompts of
-`--prompt-len` tokens (the default). Greedy unless `--temperature` > 0. The report separates the
-prefill (time to first token) from the decode (decode-only tokens/s, step latency).
+"""`python -m dsv4 generate`: prompts in, generated tokens and a speed report out (the report
+separates the prefill, time to first token, from the decode). Its options, report and errors are
+described in docs/cli.md.
 """
 
 from __future__ import annotations
@@ -197,36 +194,37 @@ def _config(args):
     return ModelConfig.from_json(path / "config.json")
 
 
-def _model(args, config, context_len: int, device, on_tensor):
+def _model(args, config, context_len: int, device, on_tensor, options):
     from . import DeepseekV4Model, init_random_weights, load_model
 
     if args.model_path:
-        return load_model(args.model_path, device=device, on_tensor=on_tensor)
-    model = DeepseekV4Model(config, device=device, max_seq_len=context_len)
+        return load_model(args.model_path, device=device, on_tensor=on_tensor, options=options)
+    model = DeepseekV4Model(config, device=device, max_seq_len=context_len, options=options)
     return init_random_weights(model, seed=args.seed)
 
 
-def _prefix_cache(args, config, context_len: int, batch: int):
-    """The engine's prefix_cache argument: None follows DSV4_PREFIX_CACHE."""
+def _prefix_cache(args, config, context_len: int, batch: int, options):
+    """The engine's prefix_cache argument: None follows options.prefix_cache
+    (DSV4_PREFIX_CACHE)."""
     if args.prefix_cache is None and args.prefix_cache_dir is None:
         return None
     if args.prefix_cache is False:
         return False
     from mem_pool.prefix import PrefixCache
 
-    from . import envs
     from .engine import PAGE_SIZE as page_size
 
     pages = batch * -(-context_len // page_size)
-    file_dir = args.prefix_cache_dir or envs.PREFIX_CACHE_DIR.get() or None
+    file_dir = args.prefix_cache_dir or options.prefix_cache_dir or None
     return PrefixCache(page_size, config.window_size,
-                       envs.PREFIX_CACHE_HOST_PAGES.get() or 4 * pages, file_dir=file_dir)
+                       options.prefix_cache_host_pages or 4 * pages, file_dir=file_dir)
 
 
 def run(args) -> int:
     from tqdm import tqdm
 
     from .engine import Engine, EngineStats
+    from .options import Options
     from .sampling import SamplingParams
 
     def bar(desc, total=None):
@@ -241,12 +239,14 @@ def run(args) -> int:
     tokenizer = load_tokenizer(args.model_path)
     prompts = prompts_from_args(args, tokenizer, config.vocab_size)
     context_len = _check_fits(args, config, prompts, device)
+    options = Options.from_env()          # the DSV4_* flags, read once for the model and engine
     with bar("loading weights") as b:
-        model = _model(args, config, context_len, device, lambda: b.update())
+        model = _model(args, config, context_len, device, lambda: b.update(), options)
     eos = None if args.ignore_eos else model.config.eos_token_id
     engine = Engine(model, max_batch=len(prompts), max_context_len=context_len,
-                    eos_token_id=eos, graph=args.graph,
-                    prefix_cache=_prefix_cache(args, model.config, context_len, len(prompts)))
+                    eos_token_id=eos, graph=args.graph, options=options,
+                    prefix_cache=_prefix_cache(args, model.config, context_len, len(prompts),
+                                               options))
     cache, engine.prefix_cache = engine.prefix_cache, None   # the warm-up caches nothing
     with bar("warm-up and graph capture", total=1) as b:
         engine.generate(prompts, min(2, args.max_new_tokens), sampling=sampling)
