@@ -94,12 +94,13 @@ def step_fn(path: str, s: dict, n_layers: int):
 
 def measure(step, mode: str, args) -> dict:
     from dsv4.graphs import select_backend
+    from dsv4.options import Options
 
     with torch.no_grad():
         step()
         run, graph = step, None
         if mode == "graph":
-            backend = select_backend()
+            backend = select_backend(choice=Options.from_env().graph_backend)
             graph = backend.new_graph()
             with backend.capture(graph, backend.pool_handle()):
                 step()
@@ -145,13 +146,14 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     pool_cls = load_sglang_with_plugin()
     from dsv4.graphs import select_backend
+    from dsv4.options import Options
     from dsv4.plugins import sglang as plugin
 
     config = {k: getattr(args, k) for k in ("models", "batches", "modes", "heads", "page_size",
                                             "warmup", "reps", "threads")}
     record = bc.new_record("bench_sglang_plugin", args, config)
     record["launch_counter"] = "device_kernels" if bc.on_gpu() else "cpu_aten_ops"
-    record["graph_backend"] = select_backend().name
+    record["graph_backend"] = select_backend(choice=Options.from_env().graph_backend).name
     record["plugin"] = plugin.status()
     rows = []
     cases = [(m, b) for m in args.models for b in args.batches]

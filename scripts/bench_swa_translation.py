@@ -140,8 +140,9 @@ def graphed(step, pool):
     """(graph, translations captured): the step captured once, as the engine's graph runner
     does (warm-up, then invalidate the SWA location cache before the capture run)."""
     from dsv4.graphs import select_backend
+    from dsv4.options import Options
 
-    backend = select_backend()
+    backend = select_backend(choice=Options.from_env().graph_backend)
     step()
     graph = backend.new_graph()
     pool.invalidate_loc_cache()
@@ -274,13 +275,14 @@ def parse_args(argv=None):
 def main(argv=None) -> dict:
     args = parse_args(argv)
     from dsv4.graphs import select_backend
+    from dsv4.options import Options
 
     config = {k: getattr(args, k) for k in ("models", "batches", "methods", "modes",
                                             "context_len", "page_size", "warmup", "reps", "threads")}
     config["n_layers"] = {m: MODELS[m] for m in args.models}
     record = bc.new_record("bench_swa_translation", args, config)
     record["launch_counter"] = "device_kernels" if bc.on_gpu() else "cpu_aten_ops"
-    record["graph_backend"] = select_backend().name
+    record["graph_backend"] = select_backend(choice=Options.from_env().graph_backend).name
     rows = []
     cases = [(m, b) for m in args.models for b in args.batches]
     with bc.progress(len(cases) * len(args.modes) * len(args.methods), "swa translation",
