@@ -1,0 +1,227 @@
+"""The Triton kernels of `quant_linear`: DeepSeek-V4's FP8 and FP4 linears with the activation
+quantization fused into the GEMM, for decode (few rows, large N and K).
+
+One program per (expert, block of BLOCK_N output columns, slice of the rows): it walks its
+expert's rows (rows [offs[e-1], offs[e]); a dense linear is one group) BLOCK_M at a time, and
+for each 128-wide K block quantizes those rows in registers as the reference's act_quant does
+(every program re-quantizes its rows: cheap at decode), then multiplies them with the weight
+tile. FP8: one fp8 x fp8 `tl.dot` per 128-wide K block (fp32 result), scaled by
+sa * sb and added to the fp32 accumulator. FP4: the e2m1 codes are unpacked with bit
+arithmetic (two per byte, the even element in the low nibble) into exact fp32 values, one dot
+per 32-wide K block (bf16 operands: the fp8 and e2m1 values are exact in bf16), scaled by
+sa then sb. One bf16 rounding at the store. Scale multiplies and adds are not fused
+(enable_fp_fusion off), as in the torch reference.
+
+EXACT_DOT (the interpreter's mode) feeds the same values to a float64 dot, whose sum of exact
+products is exact, rounded once to fp32: bit for bit the torch reference. On a GPU the matrix
+cores sum in their own fp32 order (see `quant_linear_ref`).
+
+fnuz (gfx942): FP8 activations are stored as fnuz(clamp(x / s) / 2) with scale 2s against a
+weight converted by `ocp_to_fnuz`; FP4 uses the platform's fp8 type only to round the
+activations (fnuz(y / 2) * 2 is the OCP value exactly).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .platform import FNUZ, OCP
+from .quant_linear_ref import ACT_BLOCK, AMAX_FLOOR, FP8_MAX
+from .triton_kv_row import fp8_type
+
+BLOCK_N = 64
+MIN_BLOCK_M = 16        # the smallest tl.dot tile
+MAX_BLOCK_M = 64
+MAX_ROW_SPLIT = 16
+LAUNCH_OPTIONS = {"num_warps": 4, "num_stages": 2, "enable_fp_fusion": False}
+
+
+@triton.jit
+def _e8m0_to_fp32(byte):
+    """ue8m0 byte -> fp32 2^(byte - 127): 0 is 2^-127 (an fp32 subnormal), 255 NaN."""
+    b = byte.to(tl.int32)
+    bits = tl.where(b == 0, 0x00400000, b << 23)
+    bits = tl.where(b == 255, 0x7FC00000, bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _load_scale(ptr, E8M0: tl.constexpr):
+    if E8M0:
+        return _e8m0_to_fp32(tl.load(ptr))
+    return tl.load(ptr).to(tl.float32)
+
+
+@triton.jit
+def _act_scale(amax, ROUND_SCALE: tl.constexpr):
+    """The reference's act_quant scale of fp32 row maxima: amax floored at 1e-4, times fp32
+    1/448, rounded up to a power of two from its bits when ROUND_SCALE (ue8m0)."""
+    s = tl.maximum(amax, AMAX_FLOOR) * (1.0 / FP8_MAX)
+    if ROUND_SCALE:
+        bits = s.to(tl.int32, bitcast=True)
+        exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+        s = (exponent << 23).to(tl.float32, bitcast=True)
+    return s
+
+
+@triton.jit
+def _row_range(offs_ptr, n_rows, GROUPED: tl.constexpr):
+    e = tl.program_id(0)
+    if GROUPED:
+        start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
+        end = tl.load(offs_ptr + e)
+    else:
+        start = 0
+        end = n_rows
+    return start, end
+
+
+@triton.jit
+def fp8_linear_kernel(x_ptr, x_stride, w_ptr, w_stride_e, w_stride_n, ws_ptr, ws_stride_e,
+                      ws_stride_n, offs_ptr, out_ptr, out_stride, n_rows, n_out, K,
+                      FP8: tl.constexpr, FNUZ_ACT: tl.constexpr, ROUND_SCALE: tl.constexpr,
+                      SCALE_E8M0: tl.constexpr, GROUPED: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, EXACT_DOT: tl.constexpr):
+    e = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n_out
+    start, end = _row_range(offs_ptr, n_rows, GROUPED)
+    kk = tl.arange(0, 128)
+    w_base = w_ptr + e.to(tl.int64) * w_stride_e + cols[None, :].to(tl.int64) * w_stride_n
+    ws_base = ws_ptr + e.to(tl.int64) * ws_stride_e + (tl.program_id(1) * BLOCK_N // 128) * ws_stride_n
+    step = tl.num_programs(2) * BLOCK_M
+    for m0 in range(start + tl.program_id(2) * BLOCK_M, end, step):
+        rows = m0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < end
+        x_rows = x_ptr + rows[:, None].to(tl.int64) * x_stride
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, 128):
+            x = tl.load(x_rows + k0 + kk[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+            s = _act_scale(tl.max(tl.abs(x), axis=1), ROUND_SCALE)
+            y = tl.clamp(x / s[:, None], -FP8_MAX, FP8_MAX)
+            if FNUZ_ACT:
+                y = y * 0.5
+                s = s * 2.0
+            a = y.to(FP8)
+            b = tl.load(w_base + k0 + kk[:, None], mask=col_ok[None, :], other=0).to(FP8, bitcast=True)
+            if EXACT_DOT:
+                partial = tl.dot(a.to(tl.float32).to(tl.float64),
+                                 b.to(tl.float32).to(tl.float64)).to(tl.float32)
+            else:
+                partial = tl.dot(a, b)
+            sb = _load_scale(ws_base + k0 // 128, SCALE_E8M0)
+            acc += partial * (s[:, None] * sb)
+        tl.store(out_ptr + rows[:, None].to(tl.int64) * out_stride + cols[None, :],
+                 acc.to(tl.bfloat16), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _e2m1_to_fp32(code):
+    """4-bit e2m1 code (int32) -> its exact fp32 value, from the bits."""
+    exponent = (code >> 1) & 3
+    mantissa = code & 1
+    bits = tl.where(exponent == 0, mantissa * 0x3F000000, ((exponent + 126) << 23) | (mantissa << 22))
+    return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp4_block(acc, x, s, w_block, ws_block, col_ok, k0, FP8: tl.constexpr,
+               FP8_HALVES: tl.constexpr, EXACT_DOT: tl.constexpr):
+    """acc + (x's 32 columns quantized with row scale s) . (the weight's 32 K values) * s * sb."""
+    y = tl.clamp(x / s[:, None], -FP8_MAX, FP8_MAX)
+    if FP8_HALVES:      # fnuz: the value is rounded on half the grid, then doubled (exact)
+        a = (y * 0.5).to(FP8).to(tl.float32) * 2.0
+    else:
+        a = y.to(FP8).to(tl.float32)
+    kk = tl.arange(0, 32)
+    packed = tl.load(w_block + (k0 + kk[:, None]) // 2, mask=col_ok[None, :], other=0)
+    b = _e2m1_to_fp32((packed.to(tl.int32) >> ((kk[:, None] & 1) * 4)) & 0xF)
+    if EXACT_DOT:
+        partial = tl.dot(a.to(tl.float64), b.to(tl.float64)).to(tl.float32)
+    else:
+        partial = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    sb = _e8m0_to_fp32(tl.load(ws_block + k0 // 32, mask=col_ok, other=127))
+    return acc + partial * s[:, None] * sb[None, :]
+
+
+@triton.jit
+def fp4_linear_kernel(x_ptr, x_stride, w_ptr, w_stride_e, w_stride_n, ws_ptr, ws_stride_e,
+                      ws_stride_n, offs_ptr, out_ptr, out_stride, n_rows, n_out, K,
+                      FP8: tl.constexpr, FP8_HALVES: tl.constexpr, ROUND_SCALE: tl.constexpr,
+                      GROUPED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      EXACT_DOT: tl.constexpr):
+    e = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n_out
+    start, end = _row_range(offs_ptr, n_rows, GROUPED)
+    kk = tl.arange(0, 32)
+    w_block = w_ptr + e.to(tl.int64) * w_stride_e + cols[None, :].to(tl.int64) * w_stride_n
+    ws_block = ws_ptr + e.to(tl.int64) * ws_stride_e + cols.to(tl.int64) * ws_stride_n
+    step = tl.num_programs(2) * BLOCK_M
+    for m0 in range(start + tl.program_id(2) * BLOCK_M, end, step):
+        rows = m0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < end
+        x_rows = x_ptr + rows[:, None].to(tl.int64) * x_stride + kk[None, :]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, 128):     # one activation scale per 128, four weight blocks of 32
+            x0 = tl.load(x_rows + k0, mask=row_ok[:, None], other=0.0).to(tl.float32)
+            x1 = tl.load(x_rows + k0 + 32, mask=row_ok[:, None], other=0.0).to(tl.float32)
+            x2 = tl.load(x_rows + k0 + 64, mask=row_ok[:, None], other=0.0).to(tl.float32)
+            x3 = tl.load(x_rows + k0 + 96, mask=row_ok[:, None], other=0.0).to(tl.float32)
+            amax = tl.maximum(tl.maximum(tl.max(tl.abs(x0), axis=1), tl.max(tl.abs(x1), axis=1)),
+                              tl.maximum(tl.max(tl.abs(x2), axis=1), tl.max(tl.abs(x3), axis=1)))
+            s = _act_scale(amax, ROUND_SCALE)
+            acc = _fp4_block(acc, x0, s, w_block, ws_block, col_ok, k0, FP8, FP8_HALVES, EXACT_DOT)
+            acc = _fp4_block(acc, x1, s, w_block, ws_block, col_ok, k0 + 32, FP8, FP8_HALVES,
+                             EXACT_DOT)
+            acc = _fp4_block(acc, x2, s, w_block, ws_block, col_ok, k0 + 64, FP8, FP8_HALVES,
+                             EXACT_DOT)
+            acc = _fp4_block(acc, x3, s, w_block, ws_block, col_ok, k0 + 96, FP8, FP8_HALVES,
+                             EXACT_DOT)
+        tl.store(out_ptr + rows[:, None].to(tl.int64) * out_stride + cols[None, :],
+                 acc.to(tl.bfloat16), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def block_m(rows_per_group: int) -> int:
+    return min(MAX_BLOCK_M, max(MIN_BLOCK_M, triton.next_power_of_2(max(rows_per_group, 1))))
+
+
+def quant_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                        offs: torch.Tensor | None, round_scale: bool, fp4: bool,
+                        act_dialect) -> torch.Tensor:
+    """bf16 [P, N] (checked arguments; see `quant_linear`). weight [E, N, K] fp8 or [E, N, K/2]
+    packed e2m1 bytes, weight_scale [E, *, *]; offs None for a dense linear (E == 1). FP8: the
+    activations take the weight's dialect; FP4: act_dialect (the platform's) rounds them."""
+    p, k = x.shape
+    n_groups, n_out = weight.shape[:2]
+    grouped = offs is not None
+    out = (torch.zeros if grouped else torch.empty)(p, n_out, dtype=torch.bfloat16,
+                                                    device=x.device)
+    if p == 0 or n_out == 0:
+        return out
+    rows_per_group = -(-p // n_groups)
+    bm = block_m(rows_per_group)
+    row_split = min(MAX_ROW_SPLIT, -(-rows_per_group // bm))
+    grid = (n_groups, triton.cdiv(n_out, BLOCK_N), row_split)
+    exact = os.environ.get("TRITON_INTERPRET") == "1"
+    e8m0 = weight_scale.dtype in (torch.uint8, torch.float8_e8m0fnu)
+    scale = weight_scale.view(torch.uint8) if e8m0 else weight_scale.float()
+    common = (x, x.stride(0), weight.view(torch.uint8), weight.stride(0), weight.stride(1), scale,
+              scale.stride(0), scale.stride(1), offs if grouped else x, out, out.stride(0), p,
+              n_out, k)
+    if fp4:
+        fp4_linear_kernel[grid](*common, FP8=fp8_type(act_dialect),
+                                FP8_HALVES=act_dialect is FNUZ, ROUND_SCALE=round_scale,
+                                GROUPED=grouped, BLOCK_M=bm, BLOCK_N=BLOCK_N, EXACT_DOT=exact,
+                                **LAUNCH_OPTIONS)
+    else:
+        fnuz = weight.dtype == torch.float8_e4m3fnuz
+        fp8_linear_kernel[grid](*common, FP8=fp8_type(FNUZ if fnuz else OCP),
+                                FNUZ_ACT=fnuz, ROUND_SCALE=round_scale, SCALE_E8M0=e8m0,
+                                GROUPED=grouped, BLOCK_M=bm, BLOCK_N=BLOCK_N, EXACT_DOT=exact,
+                                **LAUNCH_OPTIONS)
+    return out
