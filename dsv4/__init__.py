@@ -15,6 +15,7 @@ _LAZY = {
     "DeepseekV4Model": "model",
     "init_random_weights": "random_init",
     "Engine": "engine",
+    "Options": "options",
     "SamplingParams": "sampling",
 }
 
