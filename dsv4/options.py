@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hip_kernels import envs as kernel_envs
-from hip_kernels.numerics import DEFAULT_NUMERICS, MODES, REFERENCE_NUMERICS, StoreNumerics
+from hip_kernels import numerics as kernel_numerics
+from hip_kernels.numerics import StoreNumerics
 from hip_kernels.options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 
 from . import envs
@@ -50,8 +51,8 @@ class Options:
     STEP_FIELDS = ("numerics", "kernel", "fused_swa_translate", "multi_stream_prepare")
 
     def __post_init__(self) -> None:
-        for name, value, allowed in (("numerics", self.numerics, MODES),
-                                     ("graph_batch_sizes", self.graph_batch_sizes,
+        kernel_numerics.check_mode(self.numerics)
+        for name, value, allowed in (("graph_batch_sizes", self.graph_batch_sizes,
                                       GRAPH_BATCH_SIZES),
                                      ("graph_backend", self.graph_backend, GRAPH_BACKENDS)):
             if value not in allowed:
@@ -80,7 +81,7 @@ class Options:
     @property
     def store_numerics(self) -> StoreNumerics:
         """The set-KV numerics of the model's own stores in this numerics mode."""
-        return REFERENCE_NUMERICS if self.reference else DEFAULT_NUMERICS
+        return kernel_numerics.store_numerics(self.numerics)
 
     def step_differences(self, other: "Options") -> list[str]:
         """'field: self's value -> other's' for each of STEP_FIELDS that differs."""
