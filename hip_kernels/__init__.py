@@ -1,6 +1,7 @@
 """Kernels of the DeepSeek-V4 decode backend: torch references, Triton kernels and HIP C++ for the
 set-KV family (`set_kv`), mHC's split with its Sinkhorn normalisation (`mhc_split`), the sparse
-decode attention (`decode_attention`) and the indexer's scores (`indexer_scores`), each a
+decode attention (`decode_attention`), the indexer's scores (`indexer_scores`) and the quantized
+linears of the FP8/FP4 checkpoints (`quant_linear`), each a
 dispatcher op of the `dsv4` library (`library`). Every op takes its choices as values:
 `options` (a `KernelOptions`: backend, host checks, aiter) and its numerics.
 
@@ -19,6 +20,8 @@ from .mhc_split import hc_split
 from .numerics import DEFAULT_NUMERICS, REFERENCE_NUMERICS, StoreNumerics
 from .options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 from .platform import fp8_dialect
+from .quant_linear import fp4_grouped_linear, fp8_grouped_linear, fp8_linear
+from .quant_linear_ref import act_quant, ocp_to_fnuz
 from .set_kv import (fused_k_norm_rope_store, fused_store_cache, fused_translate_norm_rope_store,
                      indexer_store, store_kv_pack)
 
@@ -31,4 +34,5 @@ __all__ = [
     "read_indexer_rows",
     "fused_k_norm_rope_store", "fused_store_cache", "store_kv_pack", "indexer_store",
     "fused_translate_norm_rope_store", "hc_split", "sparse_decode_attention", "indexer_scores",
+    "act_quant", "ocp_to_fnuz", "fp8_linear", "fp8_grouped_linear", "fp4_grouped_linear",
 ]

@@ -59,18 +59,25 @@ def _fake(x, weight, weight_scale, *rest):
     return x.new_empty(x.shape[0], weight.shape[-2], dtype=torch.bfloat16)
 
 
-define_op("fp8_linear", "(Tensor x, Tensor weight, Tensor weight_scale, bool round_scale, "
-          "str backend) -> Tensor",
-          lambda x, w, ws, round_scale, backend: _run(x, w, ws, None, round_scale, backend,
-                                                      "ocp", False), _fake)
-define_op("fp8_grouped_linear", "(Tensor x, Tensor weight, Tensor weight_scale, Tensor offs, "
-          "bool round_scale, str backend) -> Tensor",
-          lambda x, w, ws, offs, round_scale, backend: _run(x, w, ws, offs, round_scale, backend,
-                                                            "ocp", False), _fake)
-define_op("fp4_grouped_linear", "(Tensor x, Tensor weight, Tensor weight_scale, Tensor offs, "
-          "bool round_scale, str backend, str dialect) -> Tensor",
-          lambda x, w, ws, offs, round_scale, backend, dialect: _run(
-              x, w, ws, offs, round_scale, backend, dialect, True), _fake)
+def _fp8_linear(x, weight, weight_scale, round_scale, backend):
+    return _run(x, weight, weight_scale, None, round_scale, backend, "ocp", False)
+
+
+def _fp8_grouped_linear(x, weight, weight_scale, offs, round_scale, backend):
+    return _run(x, weight, weight_scale, offs, round_scale, backend, "ocp", False)
+
+
+def _fp4_grouped_linear(x, weight, weight_scale, offs, round_scale, backend, dialect):
+    return _run(x, weight, weight_scale, offs, round_scale, backend, dialect, True)
+
+
+WEIGHTS = "Tensor x, Tensor weight, Tensor weight_scale"
+define_op("fp8_linear", f"({WEIGHTS}, bool round_scale, str backend) -> Tensor", _fp8_linear,
+          _fake)
+define_op("fp8_grouped_linear", f"({WEIGHTS}, Tensor offs, bool round_scale, str backend) "
+          "-> Tensor", _fp8_grouped_linear, _fake)
+define_op("fp4_grouped_linear", f"({WEIGHTS}, Tensor offs, bool round_scale, str backend, "
+          "str dialect) -> Tensor", _fp4_grouped_linear, _fake)
 
 
 def _check_x(x) -> int:

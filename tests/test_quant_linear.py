@@ -1,0 +1,319 @@
+"""DeepSeek-V4's quantized linears (`hip_kernels.quant_linear`): the torch references against a
+float64 restatement of the reference kernels' formulas, `ocp_to_fnuz` on all 256 bytes, fnuz
+activations that dequantize to the reference's values, the Triton kernels (under the
+interpreter, with the conversion shim) byte for byte against the torch references, one
+dispatcher op per call, Meta shapes, and argument errors.
+
+The Triton kernels' interpreter mode sums each block's exact products in float64 and rounds once
+to fp32, as the references do, so the bf16 outputs are byte-equal. On a GPU the matrix cores sum
+in their own fp32 order: there the test allows one bf16 ulp plus 2^-12 of the sum of the
+absolute dequantized products.
+"""
+
+import math
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+pytest.importorskip("triton")
+
+from hip_kernels import (KernelOptions, act_quant, fp4_grouped_linear,  # noqa: E402
+                         fp8_grouped_linear, fp8_linear, ocp_to_fnuz)
+from hip_kernels import quant_linear_ref as R  # noqa: E402
+from hip_kernels.library import ops  # noqa: E402
+from hip_kernels.platform import FNUZ, OCP  # noqa: E402
+from triton_interp_shim import interpreter_shim  # noqa: E402,F401 (autouse fixture)
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TORCH = KernelOptions(backend="torch")
+TRITON = KernelOptions(backend="triton")
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def rows(g, m, k, spread=True):
+    """bf16 [m, k] rows whose 128-blocks span many magnitudes: tiny values (fp8 subnormals
+    after scaling), zeros, large ones, a block of all zeros (amax floored at 1e-4)."""
+    x = torch.randn(m, k, generator=g)
+    if spread:
+        x = x * torch.pow(2.0, torch.randint(-30, 12, (m, k), generator=g).float() / 3)
+        x[:, :3] = 0
+        if k >= 256:
+            x[0, 128:256] = 0
+    return x.bfloat16()
+
+
+def fp8_weight(g, *shape):
+    return (torch.randn(*shape, generator=g) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+
+
+def e8m0(g, *shape, lo=118, hi=130):
+    return torch.randint(lo, hi, shape, generator=g, dtype=torch.uint8).view(
+        torch.float8_e8m0fnu)
+
+
+def fp4_weight(g, *shape):
+    return torch.randint(-128, 128, shape, generator=g, dtype=torch.int8)
+
+
+# ---- the references against the formula, in float64 -------------------------------------------
+
+E4M3_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
+FINITE = ~torch.isnan(E4M3_VALUES)
+
+
+def nearest_e4m3(y):
+    """Round float64 y (|y| <= 448) to the nearest e4m3fn value, ties to an even code."""
+    values, codes = E4M3_VALUES[FINITE], torch.arange(256)[FINITE]
+    dist = (y.reshape(-1, 1) - values).abs()
+    best = dist.min(-1, keepdim=True).values
+    tie_ok = (dist == best) & ((codes % 2 == 0) | ((dist == best).sum(-1, keepdim=True) == 1))
+    return values[tie_ok.float().argmax(-1)].reshape(y.shape)
+
+
+@pytest.mark.parametrize("scale_fmt", ["ue8m0", None])
+def test_act_quant_is_the_formula(scale_fmt):
+    x = rows(gen(1), 6, 384)
+    q, s = act_quant(x, scale_fmt)
+    amax = x.double().unflatten(-1, (-1, 128)).abs().amax(-1).clamp_min(float(torch.tensor(1e-4)))
+    if scale_fmt:
+        want_s = torch.pow(2.0, torch.ceil(torch.log2(amax / 448)))
+    else:   # amax times fp32(1/448), rounded once to fp32
+        want_s = (amax * float(torch.tensor(1 / 448, dtype=torch.float32))).float().double()
+    assert torch.equal(s.double(), want_s)
+    y = (x.double().unflatten(-1, (-1, 128)) / want_s[..., None]).clamp(-448, 448).flatten(-2)
+    assert q.dtype == torch.float8_e4m3fn and torch.equal(q.double(), nearest_e4m3(y))
+    assert q.double().abs().max() <= 448
+
+
+def test_fp8_gemm_ref_is_exact_on_powers_of_two():
+    """Small integer fp8 values and power-of-two scales keep every fp32 step exact, so the
+    reference equals the float64 formula rounded once to bf16; random scales stay within fp32
+    rounding of it."""
+    g = gen(2)
+    qa = torch.randint(-8, 9, (5, 256), generator=g).float().to(torch.float8_e4m3fn)
+    qb = torch.randint(-8, 9, (130, 256), generator=g).float().to(torch.float8_e4m3fn)
+    sa = torch.pow(2.0, torch.randint(-4, 4, (5, 2), generator=g).float())
+    sb = e8m0(g, 2, 2)
+    sb64 = R.e8m0_to_float(sb).double().repeat_interleave(128, 0)[:130]
+    want = sum((qa.double()[:, c:c + 128] @ qb.double()[:, c:c + 128].T)
+               * sa.double()[:, c // 128, None] * sb64[None, :, c // 128] for c in (0, 128))
+    assert torch.equal(R.fp8_gemm_ref(qa, sa, qb, sb), want.to(torch.bfloat16))
+    sa = torch.rand(5, 2, generator=g) + 0.5
+    got = R.fp8_gemm_ref(qa, sa, qb, sb.float() * 1.37).double()
+    want = sum((qa.double()[:, c:c + 128] @ qb.double()[:, c:c + 128].T)
+               * sa.double()[:, c // 128, None] * 1.37 * sb64[None, :, c // 128] for c in (0, 128))
+    assert ((got - want).abs() <= want.abs() * 2.0 ** -8 + 1e-30).all()
+
+
+def test_fp4_gemm_ref_is_the_formula():
+    g = gen(3)
+    packed = fp4_weight(g, 7, 128)
+    codes = torch.stack((packed.view(torch.uint8) & 15, packed.view(torch.uint8) >> 4), -1)
+    sign = torch.where(codes.flatten(-2) >= 8, -1.0, 1.0).double()
+    c = codes.flatten(-2).long() & 7
+    magnitude = torch.where(c < 2, c * 0.5, torch.pow(2.0, (c >> 1) - 1) * (1 + (c & 1) * 0.5))
+    assert torch.equal(R.e2m1_to_float(packed).double(), sign * magnitude.double())
+    qa = torch.randint(-6, 7, (3, 256), generator=g).float().to(torch.float8_e4m3fn)
+    sa = torch.pow(2.0, torch.randint(-3, 3, (3, 2), generator=g).float())
+    sb = e8m0(g, 7, 8, lo=124, hi=130)
+    b = sign * magnitude.double() * R.e8m0_to_float(sb).double().repeat_interleave(32, -1)
+    want = (qa.double() * sa.double().repeat_interleave(128, -1)) @ b.T
+    assert torch.equal(R.fp4_gemm_ref(qa, sa, packed, sb), want.to(torch.bfloat16))
+
+
+# ---- fnuz ---------------------------------------------------------------------------------------
+
+def test_ocp_to_fnuz_on_every_byte():
+    ocp = torch.arange(256, dtype=torch.uint8)
+    nan = (ocp & 0x7F) == 0x7F
+    fnuz, scale = ocp_to_fnuz(ocp[~nan].view(torch.float8_e4m3fn), torch.tensor([1.0]))
+    assert fnuz.dtype == torch.float8_e4m3fnuz and scale.item() == 2.0
+    assert torch.equal(fnuz.float() * scale, ocp[~nan].view(torch.float8_e4m3fn).float())
+    kept = ocp[~nan] != 0x80
+    assert torch.equal(fnuz.view(torch.uint8)[kept], ocp[~nan][kept])
+    assert fnuz.view(torch.uint8)[ocp[~nan] == 0x80].tolist() == [0]
+    for byte in (0x7F, 0xFF):
+        with pytest.raises(ValueError, match="NaN byte"):
+            ocp_to_fnuz(torch.tensor([0, byte], dtype=torch.uint8), torch.tensor([1.0]))
+
+
+def test_ocp_to_fnuz_doubles_every_scale_format():
+    w = torch.zeros(2, dtype=torch.float8_e4m3fn)
+    _, s = ocp_to_fnuz(w, torch.tensor([127, 3], dtype=torch.uint8).view(torch.float8_e8m0fnu))
+    assert s.dtype == torch.float8_e8m0fnu and s.float().tolist() == [2.0, 2.0 ** -123]
+    _, s = ocp_to_fnuz(w, torch.tensor([127], dtype=torch.uint8))
+    assert s.dtype == torch.uint8 and s.tolist() == [128]
+    _, s = ocp_to_fnuz(w, torch.tensor([0.75], dtype=torch.bfloat16))
+    assert s.dtype == torch.bfloat16 and s.item() == 1.5
+    with pytest.raises(ValueError, match="2\\^127"):
+        ocp_to_fnuz(w, torch.tensor([254], dtype=torch.uint8))
+    with pytest.raises(TypeError, match="weight must have dtype"):
+        ocp_to_fnuz(w.view(torch.int8), torch.tensor([1.0]))
+
+
+@pytest.mark.parametrize("scale_fmt", ["ue8m0", None])
+def test_fnuz_activations_dequantize_to_the_reference(scale_fmt):
+    """Many rows with subnormal and saturating values: q * s is the reference's value exactly."""
+    x = rows(gen(4), 64, 512)
+    x[1, :128] = torch.linspace(-1, 1, 128).bfloat16() * 3.0e38   # x / s lands on +-448
+    q_ocp, s_ocp = act_quant(x, scale_fmt, OCP)
+    q_fnuz, s_fnuz = act_quant(x, scale_fmt, FNUZ)
+    assert q_fnuz.dtype == torch.float8_e4m3fnuz
+    ref = q_ocp.float().unflatten(-1, (-1, 128)) * s_ocp[..., None]
+    got = q_fnuz.float().unflatten(-1, (-1, 128)) * s_fnuz[..., None]
+    assert torch.equal(got, ref)
+    assert (q_ocp.float().abs() == 448).any() and (q_ocp.float().abs() < 2.0 ** -6).any()
+    b_ocp, b_fnuz = q_ocp.view(torch.uint8), q_fnuz.view(torch.uint8)
+    assert torch.equal(torch.where(b_ocp == 0x80, 0, b_ocp), b_fnuz)
+
+
+# ---- the ops: Triton (interpreter) against torch ------------------------------------------------
+
+def same(a, b):
+    return a.dtype == b.dtype and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+@pytest.mark.parametrize("dialect", ["ocp", "fnuz"])
+@pytest.mark.parametrize("scale", ["e8m0", "uint8", "fp32"])
+def test_fp8_linear_triton_matches_torch(dialect, scale):
+    g = gen(5)
+    x = rows(g, 3, 256)
+    w = fp8_weight(g, 200, 256)                    # N not a multiple of 64 or 128
+    ws = e8m0(g, 2, 2)
+    ws = {"e8m0": ws, "uint8": ws.view(torch.uint8), "fp32": ws.float() * 1.5}[scale]
+    want = fp8_linear(x, w, ws, options=TORCH)
+    if dialect == "fnuz":
+        w, ws = ocp_to_fnuz(w, ws)
+        assert same(fp8_linear(x, w, ws, options=TORCH), want)
+    for fmt in ("ue8m0", None):
+        ref = fp8_linear(x, w, ws, scale_fmt=fmt, options=TORCH) if fmt is None else want
+        assert same(fp8_linear(x.to(DEV), w.to(DEV), ws.to(DEV), scale_fmt=fmt,
+                               options=TRITON).cpu(), ref)
+
+
+@pytest.mark.parametrize("dialect", ["ocp", "fnuz"])
+def test_fp8_grouped_linear_triton_matches_torch(dialect):
+    g = gen(6)
+    x = rows(g, 9, 256)
+    w, ws = fp8_weight(g, 3, 64, 256), e8m0(g, 3, 1, 2)
+    offs = torch.tensor([3, 3, 8], dtype=torch.int32)    # an empty group; row 8 in none
+    if dialect == "fnuz":
+        w, ws = zip(*(ocp_to_fnuz(w[e], ws[e]) for e in range(3)))
+        w, ws = torch.stack(w), torch.stack(ws)
+    want = fp8_grouped_linear(x, w, ws, offs, options=TORCH)
+    assert torch.equal(want[8], torch.zeros_like(want[8]))
+    for e, (lo, hi) in enumerate([(0, 3), (3, 8)]):
+        e = (0, 2)[e]
+        assert same(want[lo:hi], fp8_linear(x[lo:hi], w[e], ws[e], options=TORCH))
+    got = fp8_grouped_linear(x.to(DEV), w.to(DEV), ws.to(DEV), offs.to(DEV), options=TRITON)
+    assert same(got.cpu(), want)
+
+
+@pytest.mark.parametrize("dialect", ["ocp", "fnuz"])
+@pytest.mark.parametrize("packing", [torch.int8, torch.uint8, torch.float4_e2m1fn_x2],
+                         ids=["int8", "uint8", "float4_e2m1fn_x2"])
+def test_fp4_grouped_linear_triton_matches_torch(dialect, packing, flag_env):
+    flag_env(DSV4_FP8_DIALECT=dialect)
+    g = gen(7)
+    x = rows(g, 7, 256)
+    w = fp4_weight(g, 2, 96, 128).view(packing)
+    ws = e8m0(g, 2, 96, 8)
+    offs = torch.tensor([2, 6], dtype=torch.int32)
+    want = fp4_grouped_linear(x, w, ws, offs, options=TORCH)
+    q, s = act_quant(x[2:6])
+    assert same(want[2:6], R.fp4_gemm_ref(q, s, w[1], ws[1]))
+    assert torch.equal(want[6], torch.zeros_like(want[6]))
+    got = fp4_grouped_linear(x.to(DEV), w.to(DEV), ws.view(torch.uint8).to(DEV), offs.to(DEV),
+                             options=TRITON)
+    assert same(got.cpu(), want)
+
+
+# ---- dispatcher, Meta, errors ---------------------------------------------------------------------
+
+class TopLevelOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(f"{func.namespace}::{func.overloadpacket.__name__}")
+        return func(*args, **(kwargs or {}))
+
+
+def small_args(g):
+    return {"fp8_linear": (rows(g, 2, 128), fp8_weight(g, 64, 128), e8m0(g, 1, 1)),
+            "fp8_grouped_linear": (rows(g, 2, 128), fp8_weight(g, 2, 64, 128), e8m0(g, 2, 1, 1),
+                                   torch.tensor([1, 2], dtype=torch.int32)),
+            "fp4_grouped_linear": (rows(g, 2, 128), fp4_weight(g, 2, 64, 64), e8m0(g, 2, 64, 4),
+                                   torch.tensor([1, 2], dtype=torch.int32))}
+
+
+@pytest.mark.parametrize("options", [TORCH, TRITON], ids=["torch", "triton"])
+def test_each_call_is_one_dispatcher_op(options):
+    fns = {"fp8_linear": fp8_linear, "fp8_grouped_linear": fp8_grouped_linear,
+           "fp4_grouped_linear": fp4_grouped_linear}
+    for name, args in small_args(gen(8)).items():
+        mode = TopLevelOps()
+        with mode:
+            fns[name](*args, options=options)
+        assert mode.names == [f"dsv4::{name}"]
+
+
+def test_meta_tensors_give_the_output_shape():
+    args = small_args(gen(9))
+    x, w, ws = (t.to("meta") for t in args["fp8_linear"])
+    assert ops.fp8_linear(x, w, ws, True, "torch").shape == (2, 64)
+    x, w, ws, offs = (t.to("meta") for t in args["fp4_grouped_linear"])
+    out = ops.fp4_grouped_linear(x, w, ws, offs, True, "torch", "ocp")
+    assert out.shape == (2, 64) and out.dtype == torch.bfloat16
+
+
+def test_bad_arguments_are_named():
+    g = gen(10)
+    x, w, ws = small_args(g)["fp8_linear"]
+    cases = [
+        (lambda: fp8_linear(x.float(), w, ws), TypeError, "x must have dtype torch.bfloat16"),
+        (lambda: fp8_linear(x[:, :100], w[:, :100], ws), ValueError, "multiple of 128"),
+        (lambda: fp8_linear(x, w.view(torch.uint8), ws), TypeError, "weight must have dtype"),
+        (lambda: fp8_linear(x, w[:, :64], ws), ValueError, "weight must have shape"),
+        (lambda: fp8_linear(x, w, ws.float().expand(2, 1)), ValueError,
+         "weight_scale must have shape"),
+        (lambda: fp8_linear(x, w, ws.view(torch.int8)), TypeError, "weight_scale must have dtype"),
+        (lambda: fp8_linear(x, w, ws, scale_fmt="e4m3"), ValueError, "scale_fmt"),
+        (lambda: fp8_linear(x, w, ws, options="torch"), TypeError, "options must be"),
+    ]
+    x4, w4, ws4, offs = small_args(g)["fp4_grouped_linear"]
+    cases += [
+        (lambda: fp4_grouped_linear(x4, w4, ws4, offs.long()), TypeError, "offs must have dtype"),
+        (lambda: fp4_grouped_linear(x4, w4, ws4, offs[:1]), ValueError, "offs must have shape"),
+        (lambda: fp4_grouped_linear(x4, w4, ws4.float(), offs), TypeError,
+         "weight_scale must have dtype"),
+        (lambda: fp4_grouped_linear(x4, w4[..., :32], ws4, offs), ValueError,
+         "weight must have shape"),
+        (lambda: fp4_grouped_linear(x4, w4[0], ws4, offs), ValueError, "weight must have shape"),
+    ]
+    for call, error, message in cases:
+        with pytest.raises(error, match=message):
+            call()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_gpu_kernels_within_the_summation_bound(m):
+    """On a GPU the blocks' products are summed by the matrix cores in their own order."""
+    g = gen(11)
+    x = rows(g, m, 1024, spread=False)
+    w, ws = fp8_weight(g, 512, 1024), e8m0(g, 4, 8)
+    want = fp8_linear(x, w, ws, options=TORCH).double()
+    got = fp8_linear(x.cuda(), w.cuda(), ws.cuda(), options=TRITON).cpu().double()
+    q, s = act_quant(x)
+    a = (q.double().unflatten(-1, (-1, 128)) * s.double()[..., None]).flatten(-2)
+    b = R.e8m0_to_float(ws).double().repeat_interleave(128, 0).repeat_interleave(128, 1)
+    size = a.abs() @ (w.double() * b).abs().T
+    ulp = torch.pow(2.0, torch.floor(torch.log2(want.abs().clamp_min(1e-30))) - 7)
+    assert ((got - want).abs() <= ulp + size * 2.0 ** -12).all()
+    assert math.isfinite(float(got.abs().max()))
