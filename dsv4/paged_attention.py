@@ -174,8 +174,9 @@ class PagedAttention:
 
     ``__call__`` runs the whole attention half of a step: prepare (Q projection; the window KV
     row normed, rotated and stored at ``meta.swa_write_loc``, fused with q's norm and RoPE; the
-    compressors; on side streams with ``meta.options.multi_stream_prepare``), then ``attend``. The layer's ``LayerCaches`` are made when it first sees a
-    pool and kept while it is that pool (a pool allocates its buffers once)."""
+    compressors; on side streams with ``meta.options.multi_stream_prepare``), then ``attend``.
+    The layer's ``LayerCaches`` are made when it first sees a pool and kept while it is that
+    pool (a pool allocates its buffers once)."""
 
     def __init__(self, attn: Attention):
         self.attn = attn

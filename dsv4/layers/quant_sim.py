@@ -49,8 +49,9 @@ def _hadamard(d: int, device: torch.device) -> torch.Tensor:
 
 def hadamard_rotate(x: torch.Tensor, reference: bool) -> torch.Tensor:
     """x @ H_d * d^-0.5 over the last dim (Sylvester order, H symmetric), fp32 math, one rounding
-    to x's dtype. reference (the reference numerics): butterflies of stride 1, 2, 4, ... on the fp32 values, then
-    times d^-0.5 in fp32; fp32 numerics: one fp32 GEMM with the scaled matrix."""
+    to x's dtype. reference (the reference numerics): butterflies of stride 1, 2, 4, ... on the
+    fp32 values, then times d^-0.5 in fp32; else (fp32 numerics) one fp32 GEMM with the scaled
+    matrix."""
     d = x.shape[-1]
     if d & (d - 1):
         raise ValueError(f"hadamard_rotate needs a power-of-two last dim, got {d}")
