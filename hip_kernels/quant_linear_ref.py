@@ -133,7 +133,7 @@ def groups(offs: torch.Tensor) -> list[tuple[int, int]]:
 def grouped_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                        offs: torch.Tensor, scale_fmt: str | None, dialect: Fp8Dialect,
                        fp4: bool) -> torch.Tensor:
-    """Rows [start, end) of expert e: act_quant, then the expert's GEMM; rows past offs[-1] are 0."""
+    """Rows [start, end) of expert e: act_quant, then expert e's GEMM; rows past offs[-1]: 0."""
     out = torch.zeros(x.shape[0], weight.shape[1], dtype=torch.bfloat16, device=x.device)
     for e, (start, end) in enumerate(groups(offs)):
         if end > start:

@@ -232,7 +232,7 @@ def test_fp4_grouped_linear_triton_matches_torch(dialect, packing, flag_env):
     assert same(got.cpu(), want)
 
 
-# ---- dispatcher, Meta, errors ---------------------------------------------------------------------
+# ---- dispatcher, Meta, errors -------------------------------------------------------------
 
 class TopLevelOps(TorchDispatchMode):
     def __init__(self):
