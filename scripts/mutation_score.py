@@ -59,7 +59,12 @@ SAMPLE_FILE = Path("mutants") / "mutation_sample.json"
 # Node id prefixes of the tests that start Python subprocesses (deselected unless
 # --keep-subprocess-tests).
 SUBPROCESS_TESTS = (
-    "tests/test_runtime_cli.py",
+    "tests/test_runtime_cli.py::test_generate_reports",
+    "tests/test_runtime_cli.py::test_readme_main_command",
+    "tests/test_runtime_cli.py::test_one_new_token",
+    "tests/test_runtime_cli.py::test_prompts_and_sampling",
+    "tests/test_runtime_cli.py::test_checkpoint_with_a_tokenizer",
+    "tests/test_runtime_cli.py::test_debug_shows_the_traceback",
     "tests/test_bench_set_kv.py",
     "tests/test_triton_aot.py",
     "tests/test_bench_scripts.py::test_every_script_has_help",
