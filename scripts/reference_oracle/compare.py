@@ -7,7 +7,12 @@ recorded at every step and layer by hooks on both models, names the FIRST tensor
 (bitwise) at each step whose logits are not bit-identical.
 
     python scripts/reference_oracle/compare.py --reference-dir PATH/TO/inference \\
-        --checkpoint CKPT_DIR --tokens random:300:0 [--ref-logits ref_logits.safetensors]
+        --checkpoint CKPT_DIR --tokens random:300:0 [--ref-logits ref_logits.safetensors] \\
+        [--mode fp8]
+
+--mode fp8 runs the reference in its FP8 mode (run_reference.py: a quantized checkpoint, FP8/FP4
+linears through act_quant + fp8_gemm / fp4_gemm); this repo loads the same checkpoint with
+``load_model`` either way.
 
 The reference runs in this process (run_reference.build) so its intermediates can be recorded;
 --ref-logits, if given, is checked against that in-process run.
@@ -128,13 +133,13 @@ def _ref_indexer_record(rec, m, args, topk):
 
 def run_ref(args, tokens, max_seq_len):
     ref, model, _ = refdrv.build(args.reference_dir, args.checkpoint, max_seq_len,
-                                        args.hadamard, args.sparse_attn)
+                                 args.hadamard, args.sparse_attn, args.mode)
     rec = Recorder()
     instrument_reference(ref, model, rec)
 
     def step(i):
         rec.step = i + 1
-    logits = refdrv.teacher_forced_logits(model, tokens, on_step=step)
+    logits = refdrv.teacher_forced_logits(model, [tokens], on_step=step)[0]
     return logits, rec
 
 
@@ -324,6 +329,8 @@ def main(argv=None) -> None:
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--tokens", default="random:300:0")
     ap.add_argument("--ref-logits", default=None)
+    ap.add_argument("--mode", choices=sorted(refdrv.MODES), default="bf16",
+                    help="the reference's dtype (run_reference.py --mode)")
     ap.add_argument("--hadamard", choices=("cuda", "ref"), default="cuda")
     ap.add_argument("--sparse-attn", choices=("tilelang", "onepass"), default="tilelang")
     ap.add_argument("--threads", type=int, default=1)

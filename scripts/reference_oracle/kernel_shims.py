@@ -5,7 +5,14 @@ ships with the weights, and the ``fast_hadamard_transform`` CUDA extension that 
 Each function takes the arguments of the kernel it replaces and follows that kernel's numerics as
 far as torch on a CPU can: the dtype of every intermediate, where values are rounded to bf16, and
 the block structure of the reductions. What a CPU cannot reproduce is the order of the fp32
-additions inside a tensor-core GEMM or a warp reduction; those use torch's fp32 sums.
+additions inside a tensor-core GEMM or a warp reduction; those use torch's fp32 sums, except the
+block-scaled GEMMs of the reference's FP8 mode (``fp8_gemm``, ``fp4_gemm``), whose per-block sums
+of fp8 x fp8 (or fp8 x fp4) products are computed exactly and rounded once to fp32, so their bits
+depend on neither the CPU's GEMM kernel nor the row count.
+
+The reference's FP8 mode (``dtype="fp8"``, ``expert_dtype="fp4"``, ue8m0 scales) runs every
+quantized linear as ``act_quant`` (per 128 of K: a power-of-two scale, e4m3 values) followed by
+``fp8_gemm`` (FP8 weights, 128x128 scales) or ``fp4_gemm`` (FP4 routed experts, 1x32 scales).
 
 The reference's model.py is never modified: ``install()`` registers this module as ``kernel`` and
 a small module as ``fast_hadamard_transform`` in ``sys.modules`` before model.py is imported.
@@ -146,41 +153,50 @@ def _unpack_e2m1(b: torch.Tensor) -> torch.Tensor:
     return torch.stack([table[lo], table[hi]], -1).flatten(-2)
 
 
-# ---- block-scaled GEMMs ------------------------------------------------------------------------
+# ---- block-scaled GEMMs (fp8_gemm_kernel, fp4_gemm_kernel) -------------------------------------
+
+def _block_sums(a: torch.Tensor, b: torch.Tensor, block: int) -> torch.Tensor:
+    """a [M, K], b [N, K] (fp32 holding fp8 / fp4 values) -> [K / block, M, N]: per K block, the
+    sum of the products computed exactly (float64 holds every partial sum of these products:
+    multiples of 2^-18 below 2^25 for e4m3 x e4m3 over 128), rounded once to fp32."""
+    a3 = _blocks(a.double(), block).transpose(0, 1)                      # [nb, M, block]
+    b3 = _blocks(b.double(), block).transpose(0, 1)                      # [nb, N, block]
+    return torch.bmm(a3, b3.transpose(1, 2)).float()
+
 
 def fp8_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor,
              scale_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """C = A @ B^T, A [.., K] fp8 with per-(row, 128 of K) scales, B [N, K] fp8 with 128x128 block
-    scales. Per 128-wide K block: an fp32 GEMM of the fp8 values, then C_acc += partial * (sa*sb)
-    in fp32; C is rounded once to the default dtype."""
-    K = a.size(-1)
-    N = b.size(0)
+    """C = A @ B^T: A [.., K] e4m3 with one scale per (row, 128 of K), B [N, K] e4m3 with one
+    per 128x128 tile. Per 128-wide K block, in K order: the block's fp32 product P, then
+    C_acc += P * (sa[row] * sb[column's tile]) in fp32; C rounded once to the default dtype.
+    P is the exact sum rounded to fp32 (the tensor core's own order is not reproducible here),
+    so C does not depend on the CPU GEMM kernel or on the number of rows."""
+    K, N = a.size(-1), b.size(0)
     a2 = a.reshape(-1, K).float()
     sa = a_s.reshape(a2.size(0), -1).float()
-    bf = b.float()
-    sb = b_s.float()
+    sb = b_s.float().repeat_interleave(128, dim=0)[:N]                 # [N, K / 128]
+    parts = _block_sums(a2, b.float(), 128)
     acc = torch.zeros(a2.size(0), N, dtype=torch.float32, device=a.device)
-    for k in range(0, K, 128):
-        part = a2[:, k:k + 128] @ bf[:, k:k + 128].T
-        scale_b = sb[:, k // 128].repeat_interleave(128)[:N]          # per output column
-        acc += part * (sa[:, k // 128:k // 128 + 1] * scale_b)
+    for kb in range(parts.size(0)):
+        acc += parts[kb] * (sa[:, kb:kb + 1] * sb[:, kb])
     return acc.to(torch.get_default_dtype()).view(*a.shape[:-1], N)
 
 
 def fp4_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor,
              scale_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """C = A @ B^T, A fp8 with per-(row, 128 of K) scales, B fp4 [N, K/2 packed] with per-(row,
-    32 of K) scales. Per 32-wide K block: an fp32 GEMM, then C_acc += partial * sa * sb."""
-    K = a.size(-1)
-    N = b.size(0)
+    """C = A @ B^T: A [.., K] e4m3 with one scale per (row, 128 of K), B [N, K / 2] packed e2m1
+    (float4_e2m1fn_x2, low nibble first) with one ue8m0 scale per (row, 32 of K). Per 32-wide K
+    block, in K order: the block's fp32 product P (exact sum rounded to fp32, as in fp8_gemm),
+    then C_acc += P * sa[row, block // 4] * sb[column, block], left to right, in fp32; C rounded
+    once to the default dtype."""
+    K, N = a.size(-1), b.size(0)
     a2 = a.reshape(-1, K).float()
     sa = a_s.reshape(a2.size(0), -1).float()
-    bf = _unpack_e2m1(b)
     sb = b_s.float()
+    parts = _block_sums(a2, _unpack_e2m1(b), 32)
     acc = torch.zeros(a2.size(0), N, dtype=torch.float32, device=a.device)
-    for k in range(0, K, 32):
-        part = a2[:, k:k + 32] @ bf[:, k:k + 32].T
-        acc += part * sa[:, k // 128:k // 128 + 1] * sb[:, k // 32]
+    for kb in range(parts.size(0)):
+        acc += parts[kb] * sa[:, kb // 4:kb // 4 + 1] * sb[:, kb]
     return acc.to(torch.get_default_dtype()).view(*a.shape[:-1], N)
 
 

@@ -1,8 +1,9 @@
-"""Write tests/data/reference_logits_tiny_<CPU kernel set>.safetensors: the reference inference
-code's teacher-forced logits on a random tiny checkpoint this repository generates, as this
+"""Write tests/data/reference_logits_<tiny|fp8>_<CPU kernel set>.safetensors: the reference
+inference code's teacher-forced logits on a random checkpoint this repository generates, as this
 machine's torch computes them (one fixture per CPU kernel set, e.g. AVX512 and AVX2).
 
-    python scripts/reference_oracle/make_fixture.py --reference-dir PATH/TO/inference
+    python scripts/reference_oracle/make_fixture.py --reference-dir PATH/TO/inference \\
+        [--mode fp8]
 
 PATH/TO/inference is the ``inference/`` folder published with the DeepSeek-V4 weights (its
 ``model.py``; the TileLang ``kernel.py`` and the CUDA Hadamard extension are replaced on a CPU by
@@ -21,12 +22,24 @@ digests. Steps:
 
 tests/test_numerics_reference.py replays the same tokens through this repo's engine (eager,
 default flags) and requires the logits to be equal bit for bit.
+
+--mode fp8 (fixture ``reference_logits_fp8_<CPU kernel set>``, tested by
+tests/test_numerics_reference_fp8.py): the reference in its published FP8 mode (run_reference.py)
+on ``save_random_checkpoint(fp8_config(), DIR, seed, quantize=True)``: FP8 linears with 128x128
+scales, FP4 routed experts. ``fp8_config()`` is the tiny preset widened so that every quantized
+linear's input dim is a multiple of 128 (the reference's ``act_quant`` asserts it); the fixture
+stores it as JSON (metadata ``config``). Two cases: ``logits``/``tokens`` as above (batch 1, a
+1-token prefill, then decode), and ``extend_logits`` [2, --extend-decode + 1, vocab] /
+``extend_tokens`` [2, --extend-prefill + --extend-decode]: a batch of two prompts prefilled
+together (--extend-prefill tokens each), then decoded together, one forced token per step.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -42,22 +55,44 @@ import run_reference as refdrv  # noqa: E402
 FIXTURE_DIR = ROOT / "tests" / "data"
 
 
-def default_fixture() -> Path:
-    """The fixture for this machine's CPU kernel set (torch's get_cpu_capability())."""
+def default_fixture(mode: str = "bf16") -> Path:
+    """The fixture of ``mode`` for this machine's CPU kernel set (torch's get_cpu_capability())."""
     cap = torch.backends.cpu.get_cpu_capability()
-    return FIXTURE_DIR / f"reference_logits_tiny_{cap}.safetensors"
+    return FIXTURE_DIR / f"reference_logits_{'tiny' if mode == 'bf16' else mode}_{cap}.safetensors"
+
+
+def fp8_config():
+    """The tiny preset with every quantized linear's input dim a multiple of 128 (dim 256,
+    q_lora_rank 128, moe_inter_dim 128, 2 output groups of rank 64; 4 heads of 512 and the
+    indexer's 128 as in tiny)."""
+    from dsv4.config import ModelConfig
+
+    cfg = dataclasses.replace(ModelConfig.preset("tiny"), dim=256, q_lora_rank=128,
+                              moe_inter_dim=128, o_groups=2, o_lora_rank=64)
+    cfg.validate()
+    return cfg
 
 
 def checkpoint_digest(path: Path) -> str:
     """SHA-256 over the checkpoint's tensors, by name, in sorted order (names, dtypes, shapes
     and bytes): independent of how they are sharded."""
     h = hashlib.sha256()
-    tensors = refdrv.read_checkpoint(Path(path))
+    tensors = refdrv.read_tensors(Path(path))
     for name in sorted(tensors):
         t = tensors[name].contiguous()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         h.update(t.view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def reference_logits(reference_dir: str, ckpt: Path, mode: str, tokens: list[list[int]],
+                     prefill: int) -> torch.Tensor:
+    """The reference's teacher-forced logits [batch, len - prefill + 1, vocab], on a model built
+    for this batch (a fresh one: the reference keeps its caches in the model)."""
+    max_seq_len = max(512, -(-len(tokens[0]) // 128) * 128)
+    _, model, _ = refdrv.build(reference_dir, str(ckpt), max_seq_len, mode=mode,
+                               max_batch_size=len(tokens))
+    return refdrv.teacher_forced_logits(model, tokens, prefill)
 
 
 def main(argv=None) -> None:
@@ -66,32 +101,50 @@ def main(argv=None) -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reference-dir", required=True, help="the reference's inference/ folder")
+    ap.add_argument("--mode", choices=sorted(refdrv.MODES), default="bf16",
+                    help="bf16: tiny preset, unquantized; fp8: fp8_config(), quantized")
     ap.add_argument("--seed", type=int, default=0, help="checkpoint seed (default 0)")
-    ap.add_argument("--tokens", default="random:200:0",
-                    help="token ids, as run_reference takes them (default random:200:0)")
-    ap.add_argument("--out", default=str(default_fixture()),
-                    help="default: tests/data/reference_logits_tiny_<CPU kernel set>.safetensors")
+    ap.add_argument("--tokens", default=None, help="token ids, as run_reference takes them "
+                    "(default random:200:0, with --mode fp8 random:140:0)")
+    ap.add_argument("--extend-prefill", type=int, default=130,
+                    help="--mode fp8: prompt length of the batch-2 case (default 130)")
+    ap.add_argument("--extend-decode", type=int, default=10,
+                    help="--mode fp8: decode steps of the batch-2 case (default 10)")
+    ap.add_argument("--out", default=None,
+                    help="default: tests/data/reference_logits_<tiny|fp8>_<CPU kernel set>"
+                         ".safetensors")
     a = ap.parse_args(argv)
+    fp8 = a.mode == "fp8"
+    tokens_spec = a.tokens or ("random:140:0" if fp8 else "random:200:0")
     torch.set_num_threads(1)
+    cfg = fp8_config() if fp8 else ModelConfig.preset("tiny")
+    tokens = refdrv.parse_tokens(tokens_spec, cfg.vocab_size)
+    tensors = {"tokens": torch.tensor(tokens, dtype=torch.int64)}
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = save_random_checkpoint(ModelConfig.preset("tiny"), Path(tmp) / "ckpt", seed=a.seed)
-        cfg = ModelConfig.preset("tiny")
-        tokens = refdrv.parse_tokens(a.tokens, cfg.vocab_size)
-        max_seq_len = max(512, -(-len(tokens) // 128) * 128)
-        _, model, _ = refdrv.build(a.reference_dir, str(ckpt), max_seq_len)
-        logits = refdrv.teacher_forced_logits(model, tokens)
+        ckpt = save_random_checkpoint(cfg, Path(tmp) / "ckpt", seed=a.seed, quantize=fp8)
+        tensors["logits"] = reference_logits(a.reference_dir, ckpt, a.mode, [tokens], 1)[0]
+        if fp8:
+            n = a.extend_prefill + a.extend_decode
+            rows = [refdrv.parse_tokens(f"random:{n}:{a.seed + 1 + b}", cfg.vocab_size)
+                    for b in range(2)]
+            tensors["extend_tokens"] = torch.tensor(rows, dtype=torch.int64)
+            tensors["extend_logits"] = reference_logits(a.reference_dir, ckpt, a.mode, rows,
+                                                        a.extend_prefill)
         digest = checkpoint_digest(ckpt)
     model_py = Path(a.reference_dir) / "model.py"
-    meta = {"preset": "tiny", "checkpoint_seed": str(a.seed), "checkpoint_digest": digest,
-            "tokens": a.tokens, "reference_model_py_sha256":
+    meta = {"preset": "" if fp8 else "tiny", "checkpoint_seed": str(a.seed),
+            "checkpoint_digest": digest, "tokens": tokens_spec, "reference_model_py_sha256":
                 hashlib.sha256(model_py.read_bytes()).hexdigest(),
             "hadamard": "cuda", "sparse_attn": "tilelang", "torch": torch.__version__,
             "cpu_capability": torch.backends.cpu.get_cpu_capability()}
-    out = Path(a.out)
+    if fp8:
+        meta.update(mode="fp8", quantize="1", config=json.dumps(cfg.to_dict()),
+                    extend_prefill=str(a.extend_prefill))
+    out = Path(a.out or default_fixture(a.mode))
     out.parent.mkdir(parents=True, exist_ok=True)
-    save_file({"logits": logits.contiguous(), "tokens": torch.tensor(tokens, dtype=torch.int64)},
-              str(out), metadata=meta)
-    print(f"wrote {out}: logits {tuple(logits.shape)}, checkpoint digest {digest[:16]}...")
+    save_file({k: t.contiguous() for k, t in tensors.items()}, str(out), metadata=meta)
+    shapes = ", ".join(f"{k} {tuple(t.shape)}" for k, t in tensors.items())
+    print(f"wrote {out}: {shapes}, checkpoint digest {digest[:16]}...")
 
 
 if __name__ == "__main__":
