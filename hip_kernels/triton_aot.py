@@ -1,5 +1,5 @@
-"""Ahead-of-time compile of the Triton kernels (set-KV family, mHC split, indexer scores) for AMD
-targets, without a GPU.
+"""Ahead-of-time compile of the Triton kernels (set-KV family, mHC split, indexer scores, decode
+attention, quantized linears) for AMD targets, without a GPU.
 
 `report()` gives, per kernel variant, the VGPR/SGPR counts, scratch bytes and the hardware fp8
 converts used (`v_cvt_pk_fp8_f32` on gfx942; none means software emulation or no fp8
@@ -84,6 +84,7 @@ def _variants(dialect):
         "hc_split": _hc_split_variant(),
         **_indexer_scores_variants(dialect),
         **_decode_attention_variants(dialect),
+        **_quant_linear_variants(dialect),
     }
 
 
@@ -141,11 +142,36 @@ def _decode_attention_variants(dialect):
             "sparse_decode_attention (fp32)": variant(False)}
 
 
+def _quant_linear_variants(dialect):
+    """The quantized linears at decode (ue8m0 scales): the FP8 linear at 16 and 64 rows (the
+    platform's dialect: fnuz weights from ocp_to_fnuz on gfx942), the routed experts' FP4
+    grouped linear at 16 rows per expert; 64 output columns per program."""
+    from . import quant_linear_triton as Q
+    from .triton_kv_row import fp8_type
+
+    sig = {"x_ptr": "*bf16", "x_stride": "i32:D", "w_ptr": "*u8", "w_stride_e": "i64",
+           "w_stride_n": "i32:D", "ws_ptr": "*u8", "ws_stride_e": "i32", "ws_stride_n": "i32",
+           "offs_ptr": "*i32", "out_ptr": "*bf16", "out_stride": "i32:D", "n_rows": "i32",
+           "n_out": "i32:D", "K": "i32:D"}
+    common = {"FP8": fp8_type(dialect), "ROUND_SCALE": True, "BLOCK_N": Q.BLOCK_NS[0],
+              "EXACT_DOT": False}
+
+    def fp8(rows):
+        return Q.fp8_linear_kernel, sig, {**common, "FNUZ_ACT": dialect.name == "fnuz",
+                                          "SCALE_E8M0": True, "GROUPED": False,
+                                          "BLOCK_M": rows}, Q.LAUNCH_OPTIONS
+
+    fp4 = (Q.fp4_linear_kernel, sig, {**common, "FP8_HALVES": dialect.name == "fnuz",
+                                      "GROUPED": True, "BLOCK_M": 16}, Q.LAUNCH_OPTIONS)
+    return {"fp8_linear (16 rows)": fp8(16), "fp8_linear (64 rows)": fp8(64),
+            "fp4_grouped_linear (16 rows)": fp4}
+
+
 def compile_for(kernel, signature, constexprs, arch, options=None):
-    """Compile one kernel for hip:<arch>; returns the compiled kernel (`.asm["amdgcn"]`,
-    `.metadata`). signature: arg name -> Triton type, ":D" marking an int divisible by 16;
-    constexprs: the other arguments' values; options: launch options (default: the set-KV
-    kernels')."""
+    """Compile one kernel for hip:<arch> (cuda for an "sm_<cc>" arch); returns the compiled
+    kernel (`.asm["amdgcn"]` or `.asm["ptx"]`, `.metadata`). signature: arg name -> Triton
+    type, ":D" marking an int divisible by 16; constexprs: the other arguments' values;
+    options: launch options (default: the set-KV kernels')."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -161,7 +187,9 @@ def compile_for(kernel, signature, constexprs, arch, options=None):
             attrs[(i,)] = [["tt.divisibility", 16]]
         sig[name] = ty.removesuffix(":D")
     src = ASTSource(kernel, sig, constexprs, attrs)
-    return triton.compile(src, target=GPUTarget("hip", arch, 64),
+    target = (GPUTarget("cuda", int(arch[3:]), 32) if arch.startswith("sm_")
+              else GPUTarget("hip", arch, 64))
+    return triton.compile(src, target=target,
                           options=dict(LAUNCH_OPTIONS if options is None else options))
 
 

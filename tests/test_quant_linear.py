@@ -10,7 +10,12 @@ in their own fp32 order: there the test allows one bf16 ulp plus 2^-12 of the su
 absolute dequantized products.
 """
 
+import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -299,6 +304,33 @@ def test_bad_arguments_are_named():
     for call, error, message in cases:
         with pytest.raises(error, match=message):
             call()
+
+
+SM90_COMPILE = """
+import json, re
+from hip_kernels.platform import OCP
+from hip_kernels.triton_aot import _variants, compile_for
+rows = {}
+for name, (kernel, sig, cex, *opts) in _variants(OCP).items():
+    if "linear" in name:
+        ptx = compile_for(kernel, sig, cex, "sm_90", *opts).asm["ptx"]
+        rows[name] = sorted(set(re.findall(r"(?:mma[.]sync|wgmma[.]mma_async)[.]\\S+", ptx)))
+print(json.dumps(rows))
+"""
+
+
+def test_kernels_compile_for_cuda_sm90():
+    """The AMD targets are in test_triton_aot's report; NVIDIA H100 (sm_90) here: both kernels
+    compile (ptx and cubin) to matrix-core instructions (16 rows: mma.sync on f16/bf16
+    operands, exact for fp8 and e2m1 values; 64 rows: fp8 wgmma)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", SM90_COMPILE], cwd=Path(__file__).parents[1],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads(out.stdout)
+    assert set(rows) == {"fp8_linear (16 rows)", "fp8_linear (64 rows)",
+                         "fp4_grouped_linear (16 rows)"}
+    assert all(rows.values()), rows
 
 
 @pytest.mark.gpu

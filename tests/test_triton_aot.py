@@ -17,11 +17,12 @@ import pytest
 pytest.importorskip("triton")
 
 from hip_kernels import (decode_attention_triton, indexer_scores_triton,  # noqa: E402
-                         mhc_split_triton, set_kv_triton)
+                         mhc_split_triton, quant_linear_triton, set_kv_triton)
 
 ROOT = Path(__file__).resolve().parents[1]
 QUANTIZING = {"fused_k_norm_rope_store", "fused_k_norm_rope_store+q",
-              "fused_translate_norm_rope_store", "fused_store_cache", "indexer_store"}
+              "fused_translate_norm_rope_store", "fused_store_cache", "indexer_store",
+              "fp8_linear (16 rows)", "fp8_linear (64 rows)", "fp4_grouped_linear (16 rows)"}
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,7 @@ def report():
 
 def test_every_kernel_compiles_for_both_targets(report):
     kernels = {n for mod in (set_kv_triton, mhc_split_triton, indexer_scores_triton,
-                             decode_attention_triton)
+                             decode_attention_triton, quant_linear_triton)
                for n in dir(mod) if n.endswith("_kernel")}
     for arch in ("gfx942", "gfx950"):
         assert {r["function"] for r in report if r["arch"] == arch} == kernels
@@ -46,8 +47,10 @@ def test_no_scratch_no_spills(report):
     for r in report:
         assert r["scratch_bytes"] == 0 and r["vgpr_spill"] == 0, r
         # 8 waves per SIMD on MI300 need <= 64 VGPRs; the attention kernel holds a block of
-        # 64 rows of 512 and four [16, 128] accumulators: one wave per SIMD (<= 256 VGPRs)
-        limit = 256 if r["function"] == "sparse_decode_attention_kernel" else 64
+        # 64 rows of 512 and four [16, 128] accumulators, the quantized linears a 128-deep
+        # weight tile and the matrix-core operands: one wave per SIMD (<= 256 VGPRs)
+        wide = ("sparse_decode_attention_kernel", "fp8_linear_kernel", "fp4_linear_kernel")
+        limit = 256 if r["function"] in wide else 64
         assert 0 < r["vgpr"] <= limit, r
 
 
