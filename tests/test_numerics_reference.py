@@ -17,9 +17,6 @@ What holds in each mode:
   apart).
 """
 
-import hashlib
-from pathlib import Path
-
 import pytest
 import torch
 from safetensors import safe_open
@@ -27,27 +24,17 @@ from safetensors import safe_open
 from dsv4.checkpoint import load_model, save_random_checkpoint
 from dsv4.config import ModelConfig
 from dsv4.engine import Engine
+from reference_logits_fixtures import (DATA, checkpoint_digest, fixture_for_here, fixture_meta,
+                                       report)
 
-FIXTURES = sorted((Path(__file__).parent / "data").glob("reference_logits_tiny_*.safetensors"))
+FIXTURES = sorted(DATA.glob("reference_logits_tiny_*.safetensors"))
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def fixture_meta(path: Path) -> dict:
-    with safe_open(str(path), framework="pt") as f:
-        return f.metadata()
-
-
-def fixture_for_here() -> Path | None:
-    """The fixture made with this torch version on this CPU kernel set, if there is one."""
-    here = (torch.__version__, torch.backends.cpu.get_cpu_capability())
-    made = {p: fixture_meta(p) for p in FIXTURES}
-    return next((p for p, m in made.items() if (m["torch"], m["cpu_capability"]) == here), None)
 
 
 def read_fixture():
     """(logits, tokens, metadata) of this machine's fixture, else of the first: every fixture
     holds the same tokens and checkpoint; only the logits' last bits differ."""
-    with safe_open(str(fixture_for_here() or FIXTURES[0]), framework="pt") as f:
+    with safe_open(str(fixture_for_here(FIXTURES) or FIXTURES[0]), framework="pt") as f:
         return f.get_tensor("logits"), f.get_tensor("tokens").tolist(), f.metadata()
 
 
@@ -58,21 +45,6 @@ def test_the_fixtures_share_tokens_and_checkpoint():
         assert len({m[key] for m in metas}) == 1, key
     for p, m in zip(FIXTURES, metas):
         assert p.stem.endswith("_" + m["cpu_capability"]), p.name
-
-
-def checkpoint_digest(path: Path) -> str:
-    """The fixture script's digest: SHA-256 over (name, dtype, shape, bytes) of every tensor,
-    names sorted."""
-    tensors = {}
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            tensors.update({k: f.get_tensor(k) for k in f.keys()})
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        t = tensors[name].contiguous()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 @pytest.fixture(scope="module")
@@ -97,19 +69,11 @@ def teacher_forced(model, tokens):
     return out.logits[0]
 
 
-def report(got, want) -> str:
-    same = (got == want).all(-1)
-    cos = torch.nn.functional.cosine_similarity(got.double(), want.double(), dim=-1)
-    return (f"{int(same.sum())}/{len(same)} steps bit-identical, first differing step "
-            f"{int((~same).nonzero()[0]) if not same.all() else None}, worst cosine "
-            f"{cos.min().item():.5f}")
-
-
 def test_eager_decode_gives_the_reference_logits_bit_for_bit(fixture_model, flag_env):
     """The reference ran on a CPU with torch's kernels for that CPU (its GEMMs, reductions and
     bf16 rsqrt pick their summation order and rounding by instruction set): the same bits are
     expected from the same torch version and CPU kernel set, which the fixture records."""
-    if fixture_for_here() is None:
+    if fixture_for_here(FIXTURES) is None:
         made = ", ".join(f"torch {m['torch']} on {m['cpu_capability']}"
                          for m in map(fixture_meta, FIXTURES))
         pytest.skip(f"fixtures made with {made}; here torch {torch.__version__} on "

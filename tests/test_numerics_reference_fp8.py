@@ -1,0 +1,114 @@
+"""DSV4_NUMERICS=reference on a quantized checkpoint: teacher-forced eager decode is to give, bit
+for bit, the logits of DeepSeek-V4's reference inference code in its published FP8 mode
+(``dtype="fp8"``, ``expert_dtype="fp4"``, ue8m0 scales: every FP8 linear quantizes its input to
+e4m3 per 128 values and runs the block-scaled ``fp8_gemm``, the routed experts ``fp4_gemm``;
+``wo_a`` runs in bf16 on its dequantized weight). The logits are stored in tests/data by
+``scripts/reference_oracle/make_fixture.py --mode fp8`` (one fixture per CPU kernel set), for
+two cases: batch 1 (a 1-token prefill, then one forced token per step, 140 positions) and a
+batch of two 130-token prompts prefilled together, then decoded together for 10 forced steps.
+
+The model must compute with the checkpoint's FP8/FP4 weights and quantize the activations as the
+reference does; until it does (it dequantizes the weights to bf16 at load and runs bf16
+linears) the bit-equality tests fail, and are marked so. Measured with the bf16-dequantized
+model (torch 2.13 on AVX2): batch 1: 0/140 steps bit-identical (the first one differs), max
+|diff| 2.14, mean cosine 0.981 (worst 0.778), argmax agreement 0.786; batch 2: 0/22, max |diff|
+1.86, mean cosine 0.987, argmax agreement 0.818.
+"""
+
+import json
+
+import pytest
+import torch
+
+from dsv4 import Options
+from dsv4.checkpoint import load_model, save_random_checkpoint
+from dsv4.config import ModelConfig
+from dsv4.engine import Engine
+from reference_logits_fixtures import (DATA, checkpoint_digest, fixture_for_here, fixture_meta,
+                                       report)
+
+FIXTURES = sorted(DATA.glob("reference_logits_fp8_*.safetensors"))
+BF16_FIXTURES = sorted(DATA.glob("reference_logits_tiny_*.safetensors"))
+NOT_NATIVE_YET = pytest.mark.xfail(
+    strict=True, reason="the model dequantizes FP8/FP4 weights to bf16 at load and runs bf16 "
+    "linears; the reference quantizes activations to FP8 and runs block-scaled FP8/FP4 GEMMs")
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def read_fixture() -> tuple[dict[str, torch.Tensor], dict]:
+    """(tensors, metadata) of this machine's fixture, else of the first: every fixture holds the
+    same tokens and checkpoint; only the logits' last bits differ."""
+    from safetensors import safe_open
+
+    with safe_open(str(fixture_for_here(FIXTURES) or FIXTURES[0]), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+
+
+def test_the_fp8_fixture_comes_from_the_bf16_fixtures_reference():
+    assert FIXTURES, "no tests/data/reference_logits_fp8_*.safetensors"
+    ref = {fixture_meta(p)["reference_model_py_sha256"] for p in BF16_FIXTURES}
+    for p in FIXTURES:
+        meta = fixture_meta(p)
+        assert meta["mode"] == "fp8" and meta["quantize"] == "1", p.name
+        assert {meta["reference_model_py_sha256"]} == ref, p.name
+        assert p.stem.endswith("_" + meta["cpu_capability"]), p.name
+
+
+@pytest.fixture(scope="module")
+def replayed(tmp_path_factory):
+    """The regenerated quantized checkpoint loaded by ``load_model``, both cases replayed with
+    the default options: {case: (our logits, the reference's)}."""
+    tensors, meta = read_fixture()
+    cfg = ModelConfig.from_dict(json.loads(meta["config"]))
+    path = save_random_checkpoint(cfg, tmp_path_factory.mktemp("ckpt"),
+                                  seed=int(meta["checkpoint_seed"]), quantize=True)
+    assert checkpoint_digest(path) == meta["checkpoint_digest"], (
+        "the random checkpoint is no longer the one the fixture was made from: rerun "
+        "scripts/reference_oracle/make_fixture.py --mode fp8")
+    options = Options()
+    model = load_model(path, options=options)
+    tokens = tensors["tokens"].tolist()
+    rows = tensors["extend_tokens"].tolist()
+    prefill = int(meta["extend_prefill"])
+    return {"decode": (teacher_forced(model, options, [tokens[:1]], [tokens[1:]]),
+                       tensors["logits"].unsqueeze(0)),
+            "extend": (teacher_forced(model, options, [r[:prefill] for r in rows],
+                                      [r[prefill:] for r in rows]),
+                       tensors["extend_logits"])}
+
+
+def teacher_forced(model, options, prompts, forced):
+    """Eager logits [batch, len(forced) + 1, vocab]: each prompt prefilled, then its forced
+    tokens fed one per step."""
+    steps = len(forced[0]) + 1
+    engine = Engine(model, max_batch=len(prompts), max_context_len=512, page_size=128,
+                    graph=False, options=options)
+    out = engine.generate(prompts, steps, return_logits=True,
+                          forced_tokens=[f + [p[0]] for p, f in zip(prompts, forced)])
+    return out.logits
+
+
+@pytest.mark.parametrize("case", ["decode", "extend"])
+def test_logits_are_close_to_the_reference_fp8_mode(replayed, case):
+    """Holds with bf16-dequantized weights too (measured: mean cosine 0.981 / 0.987, argmax
+    agreement 0.79 / 0.82); a fixture of another mode or checkpoint would not pass."""
+    got, want = replayed[case]
+    assert got.shape == want.shape
+    cos = torch.nn.functional.cosine_similarity(got.double(), want.double(), dim=-1)
+    agree = (got.argmax(-1) == want.argmax(-1)).float().mean()
+    assert cos.mean() > 0.97 and agree > 0.7, report(got, want)
+
+
+@NOT_NATIVE_YET
+@pytest.mark.parametrize("case", ["decode", "extend"])
+def test_eager_decode_gives_the_reference_fp8_logits_bit_for_bit(replayed, case):
+    """Bits are expected from the same torch version and CPU kernel set as the fixture's."""
+    if fixture_for_here(FIXTURES) is None:
+        made = ", ".join(f"torch {m['torch']} on {m['cpu_capability']}"
+                         for m in map(fixture_meta, FIXTURES))
+        pytest.skip(f"fixtures made with {made}; here torch {torch.__version__} on "
+                    f"{torch.backends.cpu.get_cpu_capability()}: rerun make_fixture.py --mode "
+                    "fp8 here to compare bits")
+    got, want = replayed[case]
+    assert got.shape == want.shape
+    assert torch.equal(got, want), report(got, want)
