@@ -76,11 +76,12 @@ def _act_scale(amax, ROUND_SCALE: tl.constexpr):
 
 @triton.jit
 def _divide(x, s, ROUND_SCALE: tl.constexpr):
-    """x / s[:, None]. A power-of-two s (ROUND_SCALE) has an exact reciprocal: one multiply per
-    element gives the quotient exactly; otherwise a true division, as the reference."""
+    """x / s[:, None], correctly rounded. A power-of-two s (ROUND_SCALE) has an exact
+    reciprocal: one multiply per element gives the quotient exactly; otherwise an IEEE division
+    (div_rn: Triton's `/` may be approximate on a GPU), as the reference divides."""
     if ROUND_SCALE:
         return x * (1.0 / s)[:, None]
-    return x / s[:, None]
+    return tl.math.div_rn(x, tl.broadcast_to(s[:, None], x.shape))
 
 
 @triton.jit
