@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from .backend import resolve
-from .checks import check_options, check_tensor
+from .checks import check_options, check_tensor, value_checks_enabled
 from .library import define_op, ops
 from .options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 from .platform import DIALECTS, FNUZ, OCP, fp8_dialect
@@ -99,8 +99,16 @@ def _check_weight(weight, weight_scale, shape, scale_shape, dtypes, scale_dtypes
             raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
 
 
-def _check_offs(offs, n_groups: int, dev) -> None:
-    check_tensor("offs", offs, dtype=torch.int32, shape=(n_groups,), device=dev)
+def _check_offs(offs, n_groups: int, x: torch.Tensor, options: KernelOptions) -> None:
+    """int32 [E] on x's device; with value checks (one host read): non-decreasing, from 0 to at
+    most x's rows."""
+    check_tensor("offs", offs, dtype=torch.int32, shape=(n_groups,), device=x.device)
+    n_rows = x.shape[0]
+    if n_groups and value_checks_enabled(options):
+        ends = offs.tolist()
+        if ends[0] < 0 or ends[-1] > n_rows or any(b < a for a, b in zip(ends, ends[1:])):
+            raise ValueError(f"offs must be non-decreasing cumulative end rows between 0 and "
+                             f"x's {n_rows} rows, got {ends}")
 
 
 def _check_scale_fmt(scale_fmt) -> bool:
@@ -136,7 +144,8 @@ def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
                        options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
     """bf16 [P, N]: row r of expert e's group (offs[e-1] <= r < offs[e]) times weight[e], as
     `fp8_linear` computes it. weight [E, N, K] fp8, weight_scale [E, ceil(N/128), K/128],
-    offs int32 [E]; rows past offs[-1] are 0."""
+    offs int32 [E] on x's device; rows past offs[-1] are 0. offs is checked on the host (one
+    read) unless value checks are off (options.value_checks, graph capture)."""
     check_options(options)
     round_scale = _check_scale_fmt(scale_fmt)
     k = _check_x(x)
@@ -144,7 +153,7 @@ def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
     _check_weight(weight, weight_scale, (None, None, k),
                   (e, -(-n // ACT_BLOCK), k // ACT_BLOCK), FP8_WEIGHT_DTYPES, FP8_SCALE_DTYPES,
                   x.device)
-    _check_offs(offs, e, x.device)
+    _check_offs(offs, e, x, options)
     return ops.fp8_grouped_linear(x, weight, weight_scale, offs, round_scale,
                                   _fp8_backend("fp8_grouped_linear", x, weight, options))
 
@@ -156,14 +165,15 @@ def fp4_grouped_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
     offs[e]) is quantized as act_quant does and multiplied with weight[e]: e2m1 codes packed two
     per byte along K, element 2i in the low nibble, [E, N, K/2] (int8 as published, uint8 or
     float4_e2m1fn_x2), weight_scale ue8m0 [E, N, K/32] (float8_e8m0fnu or its bytes as uint8).
-    offs int32 [E] cumulative end rows; rows past offs[-1] are 0."""
+    offs int32 [E] cumulative end rows on x's device (checked as in `fp8_grouped_linear`); rows
+    past offs[-1] are 0."""
     check_options(options)
     round_scale = _check_scale_fmt(scale_fmt)
     k = _check_x(x)
     e, n = weight.shape[:2] if isinstance(weight, torch.Tensor) and weight.dim() == 3 else (0, 0)
     _check_weight(weight, weight_scale, (None, None, k // 2), (e, n, k // FP4_BLOCK),
                   FP4_WEIGHT_DTYPES, FP4_SCALE_DTYPES, x.device)
-    _check_offs(offs, e, x.device)
+    _check_offs(offs, e, x, options)
     return ops.fp4_grouped_linear(x, weight, weight_scale, offs, round_scale,
                                   resolve("fp4_grouped_linear", x.device, options.backend),
                                   fp8_dialect().name)

@@ -19,6 +19,10 @@ cores sum in their own fp32 order (see `quant_linear_ref`).
 fnuz (gfx942): FP8 activations are stored as fnuz(clamp(x / s) / 2) with scale 2s against a
 weight converted by `ocp_to_fnuz`; FP4 uses the platform's fp8 type only to round the
 activations (fnuz(y / 2) * 2 is the OCP value exactly).
+
+gfx950's MXFP4 matrix cores (`tl.dot_scaled`, e4m3 x e2m1 with e8m0 scales) are not used:
+Triton 3.7.1 compiles it for gfx950 (v_mfma_scale_f32_16x16x128_f8f6f4) but its interpreter has
+no dot_scaled and gfx942 fails to compile it, so that path could not be tested here.
 """
 
 from __future__ import annotations
@@ -87,9 +91,9 @@ def _divide(x, s, ROUND_SCALE: tl.constexpr):
 @triton.jit
 def _row_range(offs_ptr, n_rows, GROUPED: tl.constexpr):
     e = tl.program_id(0)
-    if GROUPED:
-        start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
-        end = tl.load(offs_ptr + e)
+    if GROUPED:     # clamped to the rows: a bad offs never reads or writes past them
+        start = tl.minimum(tl.load(offs_ptr + e - 1, mask=e > 0, other=0), n_rows)
+        end = tl.minimum(tl.load(offs_ptr + e), n_rows)
     else:
         start = 0
         end = n_rows

@@ -237,6 +237,18 @@ def test_fp4_grouped_linear_triton_matches_torch(dialect, packing, flag_env):
     assert same(got.cpu(), want)
 
 
+def test_offs_past_the_rows_never_leave_them_without_value_checks():
+    """Unchecked (value checks off, as in graph capture) offs past x's rows: the kernel clamps
+    each group to the rows, so it writes only the rows that exist."""
+    g = gen(12)
+    x, w, ws = rows(g, 5, 128), fp4_weight(g, 2, 32, 64), e8m0(g, 2, 32, 4)
+    unchecked = KernelOptions(backend="triton", value_checks=False)
+    offs = torch.tensor([2, 9], dtype=torch.int32)
+    got = fp4_grouped_linear(x.to(DEV), w.to(DEV), ws.to(DEV), offs.to(DEV), options=unchecked)
+    want = fp4_grouped_linear(x, w, ws, torch.tensor([2, 5], dtype=torch.int32), options=TORCH)
+    assert same(got.cpu(), want)
+
+
 # ---- dispatcher, Meta, errors -------------------------------------------------------------
 
 class TopLevelOps(TorchDispatchMode):
@@ -295,6 +307,8 @@ def test_bad_arguments_are_named():
     cases += [
         (lambda: fp4_grouped_linear(x4, w4, ws4, offs.long()), TypeError, "offs must have dtype"),
         (lambda: fp4_grouped_linear(x4, w4, ws4, offs[:1]), ValueError, "offs must have shape"),
+        (lambda: fp4_grouped_linear(x4, w4, ws4, offs.flip(0)), ValueError, "non-decreasing"),
+        (lambda: fp4_grouped_linear(x4, w4, ws4, offs + 1), ValueError, "x's 2 rows"),
         (lambda: fp4_grouped_linear(x4, w4, ws4.float(), offs), TypeError,
          "weight_scale must have dtype"),
         (lambda: fp4_grouped_linear(x4, w4[..., :32], ws4, offs), ValueError,
