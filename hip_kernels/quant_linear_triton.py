@@ -33,8 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .platform import FNUZ, OCP
 from . import quant_linear_ref as R
+from .platform import FNUZ, OCP
 from .triton_kv_row import fp8_type
 
 AMAX_FLOOR = tl.constexpr(R.AMAX_FLOOR)
