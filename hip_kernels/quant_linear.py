@@ -12,8 +12,9 @@ semantics and what a GPU may round differently). The grouped ops run the routed 
 sorted by expert, offs int32 [E] the cumulative end row of each expert's group (the convention of
 `torch._grouped_mm`); rows past offs[-1] come out 0.
 
-The torch path (`quant_linear_ref`) is the CPU path and the tests' oracle; the Triton kernels
-(`quant_linear_triton`) fuse the quantization into the GEMM. The FP8 weight's dtype picks the
+The torch path (`quant_linear_ref`) is the CPU path and the tests' oracle (its grouped ops read
+offs on the host and loop over the experts: not for graph capture); the Triton kernels
+(`quant_linear_triton`) fuse the quantization into the GEMM and read offs on the device. The FP8 weight's dtype picks the
 dialect: float8_e4m3fn as published, float8_e4m3fnuz after `ocp_to_fnuz` (MI300); an e4m3fn
 weight on an fnuz platform runs the torch path (convert it at load).
 """
