@@ -80,16 +80,17 @@ def main(argv=None) -> dict:
 
     def eager():
         with trusted_locations():
-            model(b, engine.pool, engine.req_to_token)
+            model(b, engine.pool, engine.req_to_token, options=engine.options)
 
     def eager_static():
         with trusted_locations():
-            model(static, engine.pool, engine.req_to_token, max_rows=max_rows)
+            model(static, engine.pool, engine.req_to_token, max_rows=max_rows,
+                  options=engine.options)
 
     runner, inputs = engine.graph_runner, decode_inputs(b)
 
     def replay():
-        runner.replay(inputs)
+        runner.replay(inputs, engine.options)
     times = {name: median_ms(fn, args.warmup, args.reps)
              for name, fn in (("eager", eager), ("eager_static", eager_static),
                               ("replay", replay))}
