@@ -130,6 +130,28 @@ def test_fp4_gemm_ref_is_the_formula():
     assert torch.equal(R.fp4_gemm_ref(qa, sa, packed, sb), want.to(torch.bfloat16))
 
 
+def test_references_equal_the_reference_oracles_kernel_stand_ins():
+    """scripts/reference_oracle's stand-ins for the reference's TileLang act_quant, fp8_gemm and
+    fp4_gemm (written apart, from the same kernels) give the same bytes."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+    try:
+        from reference_oracle import kernel_shims as K
+    finally:
+        sys.path.pop(0)
+    g = gen(13)
+    x = rows(g, 5, 512)
+    for fmt in ("ue8m0", None):
+        (q, s), (q_oracle, s_oracle) = act_quant(x, fmt), K.act_quant(x, 128, fmt)
+        assert torch.equal(q.view(torch.uint8), q_oracle.view(torch.uint8))
+        assert torch.equal(s, s_oracle)
+    w, ws = fp8_weight(g, 300, 512), torch.rand(3, 4, generator=g) + 0.3
+    assert same(R.fp8_gemm_ref(q, s, w, ws), K.fp8_gemm(q, s, w, ws).bfloat16())
+    q, s = act_quant(x)
+    packed, sb = fp4_weight(g, 300, 256), e8m0(g, 300, 16)
+    assert same(R.fp4_gemm_ref(q, s, packed, sb),
+                K.fp4_gemm(q, s, packed.view(torch.float4_e2m1fn_x2), sb).bfloat16())
+
+
 # ---- fnuz ---------------------------------------------------------------------------------------
 
 def test_ocp_to_fnuz_on_every_byte():
