@@ -1,8 +1,11 @@
 """How much memory a model run needs, before anything is allocated, and how much the device has.
 
-The weights are counted on torch's meta device (the model is built there: shapes, no storage);
-the KV pool from `mem_pool.footprint` for `batch` requests of `context_len` tokens. Quantized
-checkpoints are dequantized at load, so the figure is for the compute dtype (bf16). The prefill
+The weights are counted on torch's meta device (the model is built there: shapes, no storage), in
+the format the model holds them: ``weights="native"``, the published formats (FP8 linears with
+their 128x128 block scales, FP4 routed experts with their 1x32 scales, ``weights.formats``), or
+``weights="bf16"``, every quantized weight dequantized to bf16; what the reference keeps in
+bf16/fp32 counts as such either way. The KV pool comes from `mem_pool.footprint` for `batch`
+requests of `context_len` tokens. The prefill
 is one extend step over every prompt token, whose attention metadata holds, per compress ratio,
 an int64 location and a validity flag for each (prompt token, compressed row) pair: that grows
 with the square of the prompt length and is counted too (`PREFILL_BYTES_PER_ROW`).
@@ -17,10 +20,13 @@ import torch
 
 from mem_pool.kv_cache_spec import KVCacheSpec, footprint
 
+from .weights.formats import native_bytes
+
 GIB = 2 ** 30
 # Bytes per (prompt token, compressed row) pair of the prefill's metadata: the int64 location
 # and bool flag it keeps, and the int64 temporaries alive while they are built.
 PREFILL_BYTES_PER_ROW = 32
+WEIGHT_FORMATS = ("native", "bf16")
 
 
 @dataclass(frozen=True)
@@ -46,20 +52,38 @@ def prefill_bytes(config, prompt_tokens: int, context_len: int) -> int:
     return prompt_tokens * rows * PREFILL_BYTES_PER_ROW
 
 
-def estimate(config, batch: int, context_len: int, page_size: int = 256,
-             prompt_tokens: int = 0) -> MemoryEstimate:
-    """Bytes a run of ``batch`` requests of up to ``context_len`` tokens needs, with a prefill
-    of ``prompt_tokens`` tokens in all."""
+def weight_bytes(config, weights: str = "native", max_seq_len: int = 4096) -> int:
+    """Bytes of the model's parameters and buffers, its weights held as ``weights`` says."""
     from .model import DeepseekV4Model
 
-    model = DeepseekV4Model(config, device="meta", max_seq_len=context_len)
-    tensors = [*model.parameters(), *model.buffers()]
-    weights = sum(t.numel() * t.element_size() for t in tensors)
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
+    model = DeepseekV4Model(config, device="meta", max_seq_len=max_seq_len, weights="bf16")
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    if weights == "bf16":
+        return sum(t.numel() * t.element_size() for _, t in tensors)
+    return sum(native_bytes(name, tuple(t.shape), t.element_size()) for name, t in tensors)
+
+
+def estimate(config, batch: int, context_len: int, page_size: int = 256,
+             prompt_tokens: int = 0, weights: str = "native") -> MemoryEstimate:
+    """Bytes a run of ``batch`` requests of up to ``context_len`` tokens needs, with a prefill
+    of ``prompt_tokens`` tokens in all, the weights held as ``weights`` ("native" or "bf16")."""
     spec = KVCacheSpec(compress_ratios=config.compress_ratios[:config.n_layers],
                        window_size=config.window_size)
     tokens = batch * -(-context_len // page_size) * page_size
     kv = footprint(spec, page_size).total_bytes(tokens, tokens, batch + 1)
-    return MemoryEstimate(weights, kv, prefill_bytes(config, prompt_tokens, context_len))
+    return MemoryEstimate(weight_bytes(config, weights, context_len), kv,
+                          prefill_bytes(config, prompt_tokens, context_len))
+
+
+def shortfall(need: MemoryEstimate, have_bytes: int, where: str) -> str | None:
+    """What to tell a user whose run needs ``need`` on ``where`` (holding ``have_bytes``), or
+    None when it fits."""
+    if need.total_bytes <= have_bytes:
+        return None
+    return (f"this run needs about {need.describe()} but {where} has {have_bytes / GIB:.1f} GiB; "
+            "use a smaller model, shorter or fewer prompts, or pass --force")
 
 
 def available_bytes(device: torch.device) -> int:

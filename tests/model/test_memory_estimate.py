@@ -1,0 +1,59 @@
+"""The memory estimate counts the weights in the format the model holds them: the published
+FP8/FP4 formats ("native") or dequantized to bf16; a Flash run fits a 192 GB device natively."""
+
+import pytest
+import torch
+
+from dsv4.config import ModelConfig
+from dsv4.memory_estimate import GIB, estimate, shortfall, weight_bytes
+from dsv4.model import DeepseekV4Model
+from dsv4.weights import quant
+from dsv4.weights.formats import FP4, FP8, native_problem, quantized_bytes
+
+GB = 10 ** 9
+
+
+def test_quantized_bytes_are_the_quantizers_bytes():
+    w = torch.randn(200, 384)
+    for fmt, quantize in ((FP8, quant.quant_fp8), (FP4, quant.quant_fp4)):
+        q, scale = quantize(w)
+        assert quantized_bytes(fmt, (200, 384)) == q.nbytes + scale.nbytes, fmt
+    assert quantized_bytes(FP4, (3, 200, 384)) == 3 * quantized_bytes(FP4, (200, 384))
+
+
+@pytest.mark.parametrize("preset", ["small", "flash"])
+def test_native_count_equals_the_native_models_bytes(preset):
+    """Counted from the bf16 model's shapes, the figure is what a native model holds."""
+    config = ModelConfig.preset(preset)
+    model = DeepseekV4Model(config, device="meta", weights="native")
+    held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    assert weight_bytes(config, "native") == held
+
+
+def test_flash_and_pro_sizes():
+    flash, pro = ModelConfig.preset("flash"), ModelConfig.preset("pro")
+    assert 150 * GB < weight_bytes(flash, "native") <= 160 * GB
+    assert round(weight_bytes(flash, "bf16") / GIB) == 531     # what the bf16 path holds
+    assert 800 * GB < weight_bytes(pro, "native") <= 870 * GB
+    assert weight_bytes(pro, "bf16") > 3.3 * weight_bytes(pro, "native")
+
+
+def test_flash_fits_a_192_gb_device_natively_and_not_80_gb():
+    need = estimate(ModelConfig.preset("flash"), 4, 48, prompt_tokens=128)
+    assert shortfall(need, 192 * GB, "a 192 GB device") is None
+    problem = shortfall(need, 80 * GB, "an 80 GB device")
+    assert problem.startswith("this run needs about 148.") and "an 80 GB device has 74.5 GiB" \
+        in problem
+    bf16 = estimate(ModelConfig.preset("flash"), 4, 48, prompt_tokens=128, weights="bf16")
+    assert shortfall(bf16, 192 * GB, "a 192 GB device").startswith("this run needs about 531.")
+
+
+def test_bad_weights_value_is_named():
+    with pytest.raises(ValueError, match="weights must be one of"):
+        weight_bytes(ModelConfig.preset("tiny"), "fp8")
+
+
+def test_native_problem_names_the_dims():
+    assert native_problem(ModelConfig.preset("small")) is None
+    problem = native_problem(ModelConfig.preset("tiny"))
+    assert "dim=64, q_lora_rank=32, o_groups*o_lora_rank=64, moe_inter_dim=32" in problem
