@@ -59,26 +59,26 @@ SAMPLE_FILE = Path("mutants") / "mutation_sample.json"
 # Node id prefixes of the tests that start Python subprocesses (deselected unless
 # --keep-subprocess-tests).
 SUBPROCESS_TESTS = (
-    "tests/test_runtime_cli.py::test_generate_reports",
-    "tests/test_runtime_cli.py::test_readme_main_command",
-    "tests/test_runtime_cli.py::test_one_new_token",
-    "tests/test_runtime_cli.py::test_prompts_and_sampling",
-    "tests/test_runtime_cli.py::test_checkpoint_with_a_tokenizer",
-    "tests/test_runtime_cli.py::test_debug_shows_the_traceback",
-    "tests/test_bench_set_kv.py",
-    "tests/test_triton_aot.py",
-    "tests/test_bench_scripts.py::test_every_script_has_help",
-    "tests/test_bench_scripts.py::test_decode_quick",
-    "tests/test_bench_scripts.py::test_swa_translation_quick",
-    "tests/test_bench_scripts.py::test_sglang_plugin_quick",
-    "tests/test_bench_scripts.py::test_sweep_script",
-    "tests/test_flags.py::test_cli_env",
-    "tests/test_flags.py::test_update_flags_doc",
-    "tests/test_checkpoint.py::test_lazy_exports_keep_import_cheap",
-    "tests/test_imports.py::test_packages_import_without_triton",
-    "tests/test_set_kv_triton.py::test_triton_backend_on_cpu_needs_the_interpreter",
-    "tests/test_plugin_sglang.py::test_loader_in_fresh_processes",
-    "tests/test_plugin_vllm.py::test_vllm_loader",
+    "tests/runtime/test_runtime_cli.py::test_generate_reports",
+    "tests/runtime/test_runtime_cli.py::test_readme_main_command",
+    "tests/runtime/test_runtime_cli.py::test_one_new_token",
+    "tests/runtime/test_runtime_cli.py::test_prompts_and_sampling",
+    "tests/runtime/test_runtime_cli.py::test_checkpoint_with_a_tokenizer",
+    "tests/runtime/test_runtime_cli.py::test_debug_shows_the_traceback",
+    "tests/kernels/test_bench_set_kv.py",
+    "tests/kernels/test_triton_aot.py",
+    "tests/runtime/test_bench_scripts.py::test_every_script_has_help",
+    "tests/runtime/test_bench_scripts.py::test_decode_quick",
+    "tests/runtime/test_bench_scripts.py::test_swa_translation_quick",
+    "tests/runtime/test_bench_scripts.py::test_sglang_plugin_quick",
+    "tests/runtime/test_bench_scripts.py::test_sweep_script",
+    "tests/runtime/test_flags.py::test_cli_env",
+    "tests/runtime/test_flags.py::test_update_flags_doc",
+    "tests/model/test_checkpoint.py::test_lazy_exports_keep_import_cheap",
+    "tests/runtime/test_imports.py::test_packages_import_without_triton",
+    "tests/kernels/test_set_kv_triton.py::test_triton_backend_on_cpu_needs_the_interpreter",
+    "tests/plugins/test_plugin_sglang.py::test_loader_in_fresh_processes",
+    "tests/plugins/test_plugin_vllm.py::test_vllm_loader",
 )
 
 COLUMNS = ("run", "killed", "survived", "no tests", "timeout", "suspicious")
@@ -194,7 +194,7 @@ def by_file_fastest_first(tests, duration):
 def keep_files_together():
     """mutmut passes pytest a mutant's tests in set order, and pytest runs them in that order,
     setting a file's module-scoped fixtures up again each time its tests come back: slow, and
-    fatal for tests/test_set_kv_host_harness.py, whose fixture builds and loads a C++ extension
+    fatal for tests/kernels/test_set_kv_host_harness.py, whose fixture builds and loads a C++ extension
     (a second load in one process aborts it). Order them by file, fastest first, with -x
     stopping a killed mutant early."""
     from mutmut.runners.harness import PytestRunner

@@ -1,6 +1,6 @@
 """Regenerate the flag table of docs/flags.md from the flag declarations (run after adding a flag).
 
-tests/test_flags.py fails while the table is out of date, so a new flag cannot land without it.
+tests/runtime/test_flags.py fails while the table is out of date, so a new flag cannot land without it.
 """
 
 import argparse

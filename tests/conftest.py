@@ -1,13 +1,19 @@
 """Test setup shared by the whole suite.
 
-The Triton interpreter must be switched on before the first `import triton` in the process, so
-it is set here, at collection time, unless the run is on a GPU.
+The tests sit in area folders (kernels, mem_pool, model, runtime, plugins); the modules they share
+sit in tests/helpers, which goes on the import path here. The Triton interpreter must be switched
+on before the first `import triton` in the process, so it is set here, at collection time, unless
+the run is on a GPU.
 """
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

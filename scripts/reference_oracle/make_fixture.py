@@ -20,11 +20,11 @@ digests. Steps:
    reference's model.py, the shim modes, and the torch version and CPU kernel set
    (``torch.backends.cpu.get_cpu_capability()``): bits are the same only where both are.
 
-tests/test_numerics_reference.py replays the same tokens through this repo's engine (eager,
+tests/model/test_numerics_reference.py replays the same tokens through this repo's engine (eager,
 default flags) and requires the logits to be equal bit for bit.
 
 --mode fp8 (fixture ``reference_logits_fp8_<CPU kernel set>``, tested by
-tests/test_numerics_reference_fp8.py): the reference in its published FP8 mode (run_reference.py)
+tests/model/test_numerics_reference_fp8.py): the reference in its published FP8 mode (run_reference.py)
 on ``save_random_checkpoint(fp8_config(), DIR, seed, quantize=True)``: FP8 linears with 128x128
 scales, FP4 routed experts. ``fp8_config()`` is the tiny preset widened so that every quantized
 linear's input dim is a multiple of 128 (the reference's ``act_quant`` asserts it); the fixture

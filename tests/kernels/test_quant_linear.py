@@ -133,7 +133,7 @@ def test_fp4_gemm_ref_is_the_formula():
 def test_references_equal_the_reference_oracles_kernel_stand_ins():
     """scripts/reference_oracle's stand-ins for the reference's TileLang act_quant, fp8_gemm and
     fp4_gemm (written apart, from the same kernels) give the same bytes."""
-    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+    sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
     try:
         from reference_oracle import kernel_shims as K
     finally:
@@ -360,7 +360,7 @@ def test_kernels_compile_for_cuda_sm90():
     compile (ptx and cubin) to matrix-core instructions (16 rows: mma.sync on f16/bf16
     operands, exact for fp8 and e2m1 values; 64 rows: fp8 wgmma)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", SM90_COMPILE], cwd=Path(__file__).parents[1],
+    out = subprocess.run([sys.executable, "-c", SM90_COMPILE], cwd=Path(__file__).parents[2],
                          env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads(out.stdout)

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_gemm.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_gemm.py"
 ROW_KEYS = {"model", "layer", "op", "backend", "tokens", "rows", "k", "n", "experts", "p50_us",
             "p90_us", "min_us", "reps", "clock", "bytes", "gb_per_s", "hbm_fraction",
             "max_abs_diff"}

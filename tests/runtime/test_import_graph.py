@@ -10,7 +10,7 @@ to the package itself otherwise (`from hip_kernels import StoreNumerics`).
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("hip_kernels", "mem_pool", "dsv4")
 
 

@@ -17,8 +17,8 @@ from prefix_prefetch_sim import PAGE_SIZE, WINDOW
 from mem_pool import Agreement, agree_on_commit, commit_agreed, commit_plan
 from mem_pool.prefix.tp_agreement import agreement_from_reduced, pack_outcome
 
-ROOT = Path(__file__).resolve().parents[1]
-WORKER = Path(__file__).resolve().parent / "prefix_tp_worker.py"
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).resolve().parents[1] / "helpers" / "prefix_tp_worker.py"
 
 
 def window_pages(k):

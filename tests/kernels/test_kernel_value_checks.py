@@ -111,3 +111,12 @@ def test_bad_options_are_named(bad, match):
     with pytest.raises(ValueError, match="backend='cuda': expected one of"):
         hk.backend.resolve("fused_store_cache", kv.device, "cuda")
     assert not cache.any()
+
+
+def test_a_repeated_slot_message_says_what_may_repeat():
+    rows = torch.zeros(2, 512, dtype=torch.bfloat16)
+    cache = torch.zeros(2, hk.page_bytes(P), dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"holds slot 3 2 times: each slot >= 1 may be written by "
+                                         r"one row only \(0, the dummy, may repeat\)"):
+        hk.fused_store_cache(rows, cache, torch.tensor([3, 3]), P,
+                             options=hk.KernelOptions(backend="torch"))

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_decode_kernels.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_decode_kernels.py"
 ROW_KEYS = {"op", "numerics", "backend", "batch", "p50_us", "p90_us", "min_us", "reps", "clock",
             "bytes", "gb_per_s", "hbm_fraction", "max_abs_diff"}
 CASES = {("sparse_decode_attention", "reference"), ("sparse_decode_attention", "fp32"),

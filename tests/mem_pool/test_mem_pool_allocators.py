@@ -5,7 +5,8 @@ import pytest
 import torch
 from mem_pool_testlib import small_pool
 
-from mem_pool import PagedAllocator
+from mem_pool import KVCacheSpec, PagedAllocator, create_dsv4_kv_cache
+from mem_pool.loc_checks import check_loc_tensor
 
 P = 4
 
@@ -291,3 +292,30 @@ def test_a_freed_and_reallocated_page_is_continued_from_its_new_tail_only():
         with pytest.raises(ValueError, match="is not the last location|not allocated"):
             a.alloc_decode([4], [int(old[-1])])
         assert a.alloc_decode([2], [int(new[0])]).tolist() == [int(new[0]) + 1]
+
+
+def test_allocator_messages_name_free_index():
+    a = PagedAllocator(8 * P, P)
+    with pytest.raises(TypeError, match="^free_index must have dtype"):
+        a.free(torch.tensor([4.0]))
+    locs = a.alloc(P)
+    a.free(locs)
+    with pytest.raises(ValueError, match="^free_index refers to page 1, which is not allocated"):
+        a.free(locs)
+
+
+def test_check_loc_tensor_names_the_type_it_got():
+    with pytest.raises(TypeError, match="loc must be a torch.Tensor, got list"):
+        check_loc_tensor("loc", [1, 2], torch.device("cpu"))
+
+
+def test_the_pool_defaults_to_the_cpu():
+    pool, allocator = create_dsv4_kv_cache(KVCacheSpec((0,)), 4 * P, 4 * P, P)
+    assert pool.device == torch.device("cpu")
+    assert allocator.alloc(P).device == torch.device("cpu")
+
+
+def test_the_smallest_valid_sizes_are_accepted():
+    _, al = small_pool(full_tokens=4 * P, swa_tokens=4 * P, page_size=P)
+    assert al.alloc_extend_swa_tail(1, 1).tolist() == [P]        # one token, its SWA slot
+    assert KVCacheSpec((0,), window_size=1).window_size == 1

@@ -129,3 +129,12 @@ def test_bad_loads_raise_naming_the_argument():
     other, _ = small_pool((0, 0), full_tokens=16 * 16, swa_tokens=16 * 16, page_size=16)
     with pytest.raises(ValueError, match="the copy holds caches"):
         other.load_cpu_copy(without_state, dst)
+
+
+def test_loading_a_copy_with_state_says_it_needs_a_request_slot():
+    P = 4
+    pool, al = small_pool((4,), full_tokens=8 * P, swa_tokens=8 * P, page_size=P)
+    locs = al.alloc(P)
+    copy = pool.get_cpu_copy(locs)                                # no request slot: no state
+    with pytest.raises(ValueError, match=r"compressor state \(it does not\)"):
+        pool.load_cpu_copy(copy, locs, req_pool_idx=1)

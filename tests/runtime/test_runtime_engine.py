@@ -38,8 +38,8 @@ def test_retraction_and_resume_give_identical_tokens(model, flag_env, graph):
     The resumed request decodes in smaller batches than in the run without retraction, so the
     tokens are equal only where a request's output does not depend on its batch mates:
     DSV4_NUMERICS=fp32. (With the reference's roundings the GEMMs' row counts change the bits,
-    CPU-dependently; test_mutation_survivors compares retraction in that mode with the batch
-    history held equal, logits bit for bit.)"""
+    CPU-dependently; test_runtime_swa_release_and_retraction compares retraction in that mode
+    with the batch history held equal, logits bit for bit.)"""
     flag_env(DSV4_NUMERICS="fp32")
     reqs, new = prompts([100, 105, 110]), 40
     big = Engine(model, max_batch=4, max_context_len=MAX_LEN, page_size=PAGE, graph=graph)

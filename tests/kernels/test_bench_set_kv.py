@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_set_kv.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_set_kv.py"
 ROW_KEYS = {"op", "backend", "n", "p50_us", "p90_us", "min_us", "reps", "clock", "bytes",
             "gb_per_s", "hbm_fraction", "matches_torch"}
 OPS = {"fused_k_norm_rope_store", "fused_store_cache", "fused_translate_norm_rope_store",

@@ -1,6 +1,8 @@
+import pytest
 import torch
 
 from hip_kernels import platform
+from hip_kernels.backend import BackendUnavailable, resolve
 
 
 def test_cpu_machine_reports_cpu_backend_and_no_arch():
@@ -51,3 +53,16 @@ def test_detection_on_a_simulated_mi300(flag_env, monkeypatch):
     assert platform.fp8_dialect() is platform.FNUZ
     flag_env(DSV4_FP8_DIALECT="ocp")
     assert platform.fp8_dialect() is platform.OCP
+
+
+def test_describe_names_the_backend():
+    d = platform.describe()
+    assert d["backend"] == platform.backend() and d["fp8_dialect"] == platform.fp8_dialect().name
+
+
+def test_asking_for_triton_on_a_cpu_says_how(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(BackendUnavailable, match=r"\(got device cpu\); on a CPU set "
+                                                 r"TRITON_INTERPRET=1 before triton is first "
+                                                 r"imported$"):
+        resolve("fused_store_cache", torch.device("cpu"), "triton")

@@ -10,7 +10,7 @@ from hip_kernels.flags import FlagError, declare
 from mem_pool import envs as menvs
 from dsv4 import envs as denvs
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("raw,expected", [

@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 from hip_kernels import (decode_attention_triton, indexer_scores_triton,  # noqa: E402
                          mhc_split_triton, quant_linear_triton, set_kv_triton)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 QUANTIZING = {"fused_k_norm_rope_store", "fused_k_norm_rope_store+q",
               "fused_translate_norm_rope_store", "fused_store_cache", "indexer_store",
               "fp8_linear (16 rows)", "fp8_linear (64 rows)", "fp4_grouped_linear (16 rows)"}

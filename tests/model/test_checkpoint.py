@@ -16,9 +16,9 @@ import dsv4
 from dsv4.checkpoint import CheckpointError, load_model, save_random_checkpoint
 from dsv4.config import ModelConfig
 from dsv4.weights.names import to_hf, to_reference
-from dsv4.weights.saver import random_state_dict
+from dsv4.weights.saver import checkpoint_tensors, random_state_dict
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SEED = 7
 
 
@@ -95,7 +95,8 @@ def test_known_names(stored, ref):
 
 @pytest.mark.parametrize("naming, shards", [("reference", 2), ("hf", 1), ("reference", 3)])
 def test_round_trip_gives_the_seeded_model(cfg, ref_state, tmp_path, naming, shards):
-    path = save_random_checkpoint(cfg, tmp_path, SEED, naming=naming, shards=shards)
+    path = save_random_checkpoint(cfg, tmp_path, SEED, naming=naming, shards=shards,
+                                  quantize=False)
     names = set(stored_tensors(path))
     assert ("model.embed_tokens.weight" in names) == (naming == "hf")
     assert ("embed.weight" in names) == (naming == "reference")
@@ -104,13 +105,13 @@ def test_round_trip_gives_the_seeded_model(cfg, ref_state, tmp_path, naming, sha
 
 
 def test_round_trip_detects_another_seed(cfg, ref_state, tmp_path):
-    model = load_model(save_random_checkpoint(cfg, tmp_path, SEED + 1))
+    model = load_model(save_random_checkpoint(cfg, tmp_path, SEED + 1, quantize=False))
     with pytest.raises(AssertionError):
         assert_same_state(model, ref_state)
 
 
 def test_loads_without_index_and_in_another_dtype(cfg, ref_state, tmp_path):
-    path = save_random_checkpoint(cfg, tmp_path, SEED, shards=3)
+    path = save_random_checkpoint(cfg, tmp_path, SEED, shards=3, quantize=False)
     (path / "model.safetensors.index.json").unlink()
     model = load_model(path, dtype=torch.float32)
     assert model.layers[0].attn.wq_a.weight.dtype == torch.float32
@@ -175,6 +176,24 @@ def test_quantized_load_is_the_exact_dequantization(cfg, ref_state, tmp_path):
     assert_same_state(load_model(path), expected)
 
 
+def test_published_formats_by_default_from_the_native_models_bytes(tmp_path):
+    """By default the checkpoint holds FP8/FP4; a config that can compute natively hands over
+    its model's stored bytes, the same bytes as quantizing its bf16 twin."""
+    small = ModelConfig.preset("small")
+    stored = stored_tensors(save_random_checkpoint(small, tmp_path, SEED))
+    assert stored["layers.0.attn.wq_a.weight"].dtype == torch.float8_e4m3fn
+    assert stored["layers.0.attn.wo_a.weight"].dtype == torch.float8_e4m3fn
+    assert stored["layers.0.ffn.experts.0.w1.weight"].dtype == torch.int8
+    twin = checkpoint_tensors(random_state_dict(small, SEED), "reference", quantize=True)
+    assert stored.keys() == twin.keys()
+    for name, t in twin.items():
+        assert torch.equal(stored[name].view(torch.uint8) if t.element_size() == 1 else
+                           stored[name], t.view(torch.uint8) if t.element_size() == 1 else t), name
+    native = random_state_dict(small, SEED, weights="native")
+    with pytest.raises(ValueError, match="quantize=False needs bf16 weights"):
+        checkpoint_tensors(native, "reference", quantize=False)
+
+
 def test_other_encodings_and_hf_naming_load_the_same_values(cfg, tmp_path):
     ref_path = save_random_checkpoint(cfg, tmp_path / "ref", SEED, quantize=True)
     baseline = load_model(ref_path).state_dict()
@@ -198,7 +217,7 @@ def test_other_encodings_and_hf_naming_load_the_same_values(cfg, tmp_path):
 # ---- errors and notices ---------------------------------------------------------------------
 
 def test_missing_unexpected_and_misshaped_tensors_in_one_error(cfg, tmp_path):
-    path = save_random_checkpoint(cfg, tmp_path, SEED)
+    path = save_random_checkpoint(cfg, tmp_path, SEED, quantize=False)
     tensors = stored_tensors(path)
     del tensors["layers.0.attn.wq_a.weight"]
     tensors["layers.0.attn.bogus.weight"] = torch.zeros(3, 5)
@@ -242,7 +261,7 @@ def test_a_tensor_stored_under_both_namings_is_an_error(cfg, tmp_path):
 
 
 def test_mtp_tensors_are_skipped_with_a_notice(cfg, ref_state, tmp_path, caplog):
-    path = save_random_checkpoint(cfg, tmp_path, SEED)
+    path = save_random_checkpoint(cfg, tmp_path, SEED, quantize=False)
     tensors = stored_tensors(path)
     tensors["mtp.0.e_proj.weight"] = torch.zeros(cfg.dim, cfg.dim)
     tensors["mtp.0.attn.wq_a.weight"] = torch.zeros(cfg.q_lora_rank, cfg.dim)

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # A window of two pages, so that a one-page prefix is shorter than the window.
 CONFIG = dataclasses.replace(ModelConfig.preset("tiny"), window_size=256)
 PAGE, WINDOW, MAX_LEN, STEPS = 128, 256, 640, 4
-# The engine's eager-vs-graph tolerance (tests/test_runtime_graphs.py).
+# The engine's eager-vs-graph tolerance (tests/runtime/test_runtime_graphs.py).
 LOGIT_ATOL = 0.1
 
 

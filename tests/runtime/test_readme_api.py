@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 BLOCK = re.compile(r"<!-- api-example:begin -->\n```python\n(.*?)```\n<!-- api-example:end -->",
                    re.S)
 

@@ -1,7 +1,7 @@
 """The engine's prefix cache on 2 and 4 tensor-parallel ranks (spawned processes, gloo): the
 ranks' prefetches come out differently (a torn file, an evicted file, a full host tier, a slow
 rank), and every rank commits the same amount, gets the logits of a run without the cache, and
-gives every page and pin back. The worker is tests/prefix_engine_tp_worker.py."""
+gives every page and pin back. The worker is tests/helpers/prefix_engine_tp_worker.py."""
 
 import json
 import os
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-WORKER = Path(__file__).resolve().parent / "prefix_engine_tp_worker.py"
-LOGIT_ATOL = 0.1   # the engine's eager-vs-graph tolerance (tests/test_runtime_graphs.py)
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).resolve().parents[1] / "helpers" / "prefix_engine_tp_worker.py"
+LOGIT_ATOL = 0.1   # the engine's eager-vs-graph tolerance (tests/runtime/test_runtime_graphs.py)
 
 
 def run_ranks(tmp_path: Path, world: int, faults: dict[int, str]) -> list[dict]:

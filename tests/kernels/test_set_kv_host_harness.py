@@ -25,7 +25,7 @@ from reference_numerics_oracle import (bf16_round, check_q, inv_sqrt_ieee, kv_de
 from set_kv_cases import (OPS, SHAPES, every_bf16_case, make_case, nonfinite_case, outputs,
                           reference)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TWO_32 = 2 ** 32
 
 

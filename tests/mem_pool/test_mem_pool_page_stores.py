@@ -17,8 +17,8 @@ from page_store_crash_child import key_of, numbered_record
 
 from mem_pool import FilePageStore, HostPageStore
 
-ROOT = Path(__file__).resolve().parents[1]
-CHILD = Path(__file__).resolve().parent / "page_store_crash_child.py"
+ROOT = Path(__file__).resolve().parents[2]
+CHILD = Path(__file__).resolve().parents[1] / "helpers" / "page_store_crash_child.py"
 HEADER = 8 + 4 + 8 + 32          # magic, version, payload length, sha256 (the documented layout)
 
 

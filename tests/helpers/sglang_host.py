@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-STUBS = str(Path(__file__).parent / "stubs")
+STUBS = str(Path(__file__).resolve().parents[1] / "stubs")
 
 
 def _real_torchvision() -> bool:
