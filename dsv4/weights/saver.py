@@ -1,55 +1,56 @@
 """``save_random_checkpoint``: a seeded random DeepseekV4Model written as a checkpoint directory
 (config.json, safetensors shards and their index), in the reference or the Hugging Face naming,
-optionally quantized like the published weights so the load path's dequantization is exercised.
+in the published formats (FP8 linears, FP4 routed experts: ``formats.stored_format``) unless asked
+for bf16.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import re
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
 from . import quant
+from .formats import FP4, FP8, native_problem, stored_format
 from .loader import INDEX_FILE
-from .names import scale_name, to_hf
+from .names import REF_SCALE, scale_name, to_hf
 
 logger = logging.getLogger(__name__)
 
 NAMINGS = ("reference", "hf")
 
-# With quantize=True: routed experts in FP4, these projections in FP8 (128x128 blocks); the rest
-# (embedding, head, gate, norms, compressors, indexer weights_proj, mHC) stays as the model has it.
-_FP4_WEIGHTS = re.compile(r"^layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$")
-_FP8_WEIGHTS = re.compile(r"^layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)"
-                          r"|ffn\.shared_experts\.w[123])\.weight$")
 
-
-def random_state_dict(config, seed: int, dtype: torch.dtype = torch.bfloat16
-                      ) -> dict[str, torch.Tensor]:
-    """The state dict of ``DeepseekV4Model(config, dtype)`` after ``init_random_weights(seed)``."""
+def random_state_dict(config, seed: int, dtype: torch.dtype = torch.bfloat16,
+                      weights: str = "bf16") -> dict[str, torch.Tensor]:
+    """The state dict of ``DeepseekV4Model(config, dtype, weights=weights)`` after
+    ``init_random_weights(seed)``."""
     from ..model import DeepseekV4Model
     from ..random_init import init_random_weights
 
-    model = DeepseekV4Model(config, dtype=dtype, device="cpu")
+    model = DeepseekV4Model(config, dtype=dtype, device="cpu", weights=weights)
     return init_random_weights(model, seed).state_dict()
 
 
 def checkpoint_tensors(state: dict[str, torch.Tensor], naming: str, quantize: bool
                        ) -> dict[str, torch.Tensor]:
-    """Model tensors -> stored tensors: renamed for ``naming``, quantized when asked."""
+    """Model tensors -> stored tensors: renamed for ``naming``, quantized when asked. A weight
+    the model already holds quantized (its ``.scale`` beside it) is written as it is."""
     out: dict[str, torch.Tensor] = {}
     for name, t in state.items():
+        if name.endswith("." + REF_SCALE):
+            continue                                  # written beside its weight
         stored = name if naming == "reference" else to_hf(name)
-        if quantize and _FP4_WEIGHTS.match(name):
+        scale = state.get(name[: -len("weight")] + REF_SCALE) if name.endswith(".weight") else None
+        fmt = stored_format(name) if quantize else None
+        if scale is not None and not quantize:
+            raise ValueError(f"quantize=False needs bf16 weights; {name} is held quantized")
+        if scale is None and fmt == FP4:
             t, scale = quant.quant_fp4(t)
-        elif quantize and _FP8_WEIGHTS.match(name):
+        elif scale is None and fmt == FP8:
             t, scale = quant.quant_fp8(t)
-        else:
-            scale = None
         out[stored] = t.contiguous()
         if scale is not None:
             out[scale_name(stored, naming)] = scale
@@ -96,21 +97,25 @@ def write_shards(tensors: dict[str, torch.Tensor], path: Path, shards: int) -> l
 
 
 def save_random_checkpoint(config, path, seed: int = 0, *, naming: str = "reference",
-                           quantize: bool = False, dtype: torch.dtype = torch.bfloat16,
+                           quantize: bool = True, dtype: torch.dtype = torch.bfloat16,
                            shards: int = 2) -> Path:
     """Write config.json and the safetensors of a random ``DeepseekV4Model(config, dtype)``
     (``dsv4.random_init.init_random_weights(seed)``) to the directory ``path``.
 
     ``naming``: "reference" (the published checkpoints' names, ``.scale`` scales) or "hf" (the
-    Hugging Face variant, ``weight_scale_inv`` scales, HF config keys). ``quantize``: routed
-    experts as int8-packed FP4 with 1x32 ue8m0 scales, the attention projections and the shared
-    expert as FP8 e4m3 with 128x128 ue8m0 scales. Returns ``path``.
+    Hugging Face variant, ``weight_scale_inv`` scales, HF config keys). ``quantize`` (default,
+    as published): routed experts as int8-packed FP4 with 1x32 ue8m0 scales, the attention
+    projections and the shared expert as FP8 e4m3 with 128x128 ue8m0 scales; False writes every
+    weight in ``dtype``. Returns ``path``.
     """
     if naming not in NAMINGS:
         raise ValueError(f"naming must be one of {NAMINGS}, got {naming!r}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tensors = checkpoint_tensors(random_state_dict(config, seed, dtype), naming, quantize)
+    # A model holding the published formats hands over its stored bytes (no quantization round
+    # trip); a config too narrow for 128-wide blocks is quantized from its bf16 weights.
+    held = "native" if quantize and native_problem(config) is None else "bf16"
+    tensors = checkpoint_tensors(random_state_dict(config, seed, dtype, held), naming, quantize)
     (path / "config.json").write_text(
         json.dumps(config_dict(config, naming, quantize), indent=2) + "\n")
     files = write_shards(tensors, path, shards)

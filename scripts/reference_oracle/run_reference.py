@@ -19,7 +19,7 @@ scales, as in the published config), torch's default dtype bf16 as generate.py s
 --mode:
 - "bf16" (default): ``dtype="bf16"``, ``expert_dtype=None``: its ``linear`` is ``F.linear`` in
   bf16, which is what this repo's model runs on dequantized weights. The checkpoint must be
-  unquantized.
+  unquantized (``save_random_checkpoint(..., quantize=False)``).
 - "fp8": ``dtype="fp8"``, ``expert_dtype="fp4"``, as published: every linear the checkpoint holds
   quantized runs ``act_quant`` + ``fp8_gemm`` / ``fp4_gemm``; the checkpoint must be quantized
   (``save_random_checkpoint(..., quantize=True)``) and is loaded the way the reference's
