@@ -26,7 +26,7 @@ import functools
 import logging
 
 from hip_kernels import numerics as N
-from hip_kernels import KernelOptions, set_kv
+from hip_kernels import DEFAULT_KERNEL_OPTIONS, KernelOptions, set_kv
 from hip_kernels.backend import resolve
 from hip_kernels.platform import default_device, fp8_dialect
 
@@ -89,23 +89,23 @@ def _ours(pool) -> bool:
     return decided
 
 
-def fused_store_hook(original, self, layer_id, swa_loc, cache_k):
+def fused_store_hook(original, self, layer_id, swa_loc, cache_k, *,
+                     options: KernelOptions = DEFAULT_KERNEL_OPTIONS):
     if not _ours(self):
         return original(self, layer_id, swa_loc, cache_k)
     set_kv.fused_store_cache(cache_k, self.get_swa_raw_buffer(layer_id), swa_loc,
                              self.swa_page_size,
-                             numerics=sglang_numerics("fused_store_cache"),
-                             options=KernelOptions.from_env())
+                             numerics=sglang_numerics("fused_store_cache"), options=options)
 
 
 def fused_norm_rope_hook(original, self, layer_id, swa_loc, kv, kv_weight, eps, freqs_cis,
-                         positions, q=None):
+                         positions, q=None, *, options: KernelOptions = DEFAULT_KERNEL_OPTIONS):
     if not _ours(self):
         return original(self, layer_id, swa_loc, kv, kv_weight, eps, freqs_cis, positions, q)
     set_kv.fused_k_norm_rope_store(kv, kv_weight, eps, freqs_cis, positions, swa_loc,
                                    self.get_swa_raw_buffer(layer_id), self.swa_page_size, q=q,
                                    numerics=sglang_numerics("fused_k_norm_rope_store"),
-                                   options=KernelOptions.from_env())
+                                   options=options)
 
 
 # method -> (the parameters this plugin was written against, hook, our op or None)
@@ -182,8 +182,10 @@ def _register() -> None:
         logger.warning("dsv4-rocm: SGLang %s not patched: %s", installed_version("sglang"),
                        problem)
         return
-    for name, (_, hook, _) in chosen.items():
-        HookRegistry.register(f"{POOL}.{name}", hook, HookType.AROUND)
+    options = KernelOptions.from_env()     # the flags, read once, when SGLang loads the plugin
+    for name, (_, hook, op) in chosen.items():
+        bound = hook if op is None else functools.partial(hook, options=options)
+        HookRegistry.register(f"{POOL}.{name}", bound, HookType.AROUND)
     logger.warning("dsv4-rocm: SGLang %s plugin active (fp8 %s): %s; request-window, uniform-FP8 "
                    "and unified-KV pools keep SGLang's setters", installed_version("sglang"),
                    fp8_dialect().name, describe_plan(chosen))

@@ -27,7 +27,7 @@ import logging
 import torch
 
 from hip_kernels import numerics as N
-from hip_kernels import KernelOptions, set_kv
+from hip_kernels import DEFAULT_KERNEL_OPTIONS, KernelOptions, set_kv
 from hip_kernels.backend import resolve
 from hip_kernels.platform import backend as platform_backend
 from hip_kernels.platform import default_device, fp8_dialect
@@ -75,8 +75,9 @@ def freqs_cis_of(cos_sin_cache: torch.Tensor) -> torch.Tensor:
     return hit[1]
 
 
-def insert_hook(original):
-    """The wrapped `_fused_qnorm_rope_kv_insert`: ours for vLLM's fp8 V4 SWA cache."""
+def insert_hook(original, options: KernelOptions = DEFAULT_KERNEL_OPTIONS):
+    """The wrapped `_fused_qnorm_rope_kv_insert`: ours for vLLM's fp8 V4 SWA cache, run with
+    `options` (the kernel flags as the plugin read them at registration)."""
 
     @functools.wraps(original)
     def insert(self, q, kv, positions, attn_metadata):
@@ -95,7 +96,7 @@ def insert_hook(original):
         set_kv.fused_k_norm_rope_store(
             kv, None, self.eps, freqs_cis_of(self.rotary_emb.cos_sin_cache), positions, loc,
             cache.view(cache.shape[0], -1), swa.block_size, q=q_out, numerics=vllm_numerics(),
-            options=KernelOptions.from_env())
+            options=options)
         return q_out
 
     insert.__wrapped__ = original
@@ -157,7 +158,7 @@ def _register() -> None:
     original = cls.__dict__[METHOD]
     if getattr(original, "__wrapped__", None) is not None:
         return  # already installed in this process
-    setattr(cls, METHOD, insert_hook(original))
+    setattr(cls, METHOD, insert_hook(original, KernelOptions.from_env()))
     logger.warning("dsv4-rocm: vLLM %s plugin active (fp8 %s): %s; other SWA cache formats, the "
                    "profile run and padded q heads keep vLLM's insert", installed_version("vllm"),
                    fp8_dialect().name, _target())

@@ -67,6 +67,18 @@ def test_loader_installs_the_plugin(loaded):
     assert "set_swa_key_buffer_radix_fused_norm_rope -> fused_k_norm_rope_store" in active[0]
 
 
+def test_the_setter_hooks_carry_the_kernel_options_read_at_registration(loaded):
+    """The plugin reads the kernel flags once, when SGLang loads it, and binds that value to the
+    setter hooks (a setter call reads no flag)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from hip_kernels import KernelOptions
+
+    for name in plugin.REPLACEMENTS:
+        (hook,) = [h for _, h, _ in HookRegistry._hooks[f"{plugin.POOL}.{name}"]]
+        assert hook.keywords == {"options": KernelOptions.from_env()}, name
+
+
 def test_fused_store_writes_sglangs_bytes(pool):
     from sglang.kernels.ops.kvcache.dsv4_main_kv_store import NopeFp8RopeBf16Pack
     from sglang.test.kernels.deepseek_v4.k_cache_reference import set_k_and_s_torch

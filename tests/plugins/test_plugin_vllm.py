@@ -19,6 +19,7 @@ import torch
 
 import v4_layout_encoder as E
 from dsv4.plugins import vllm as plugin
+from hip_kernels import KernelOptions
 from hip_kernels import kv_layout as L
 
 BLOCK, HEADS, EPS = 64, 2, 1e-6
@@ -95,6 +96,21 @@ def test_insert_writes_vllms_layout_and_returns_q(flag_env):
     a, b = y[..., 448::2].copy(), y[..., 449::2].copy()
     y[..., 448::2], y[..., 449::2] = a * c - b * s, a * s + b * c
     assert torch.equal(q_out, torch.from_numpy(y).to(torch.bfloat16))
+
+
+def test_the_insert_runs_with_the_kernel_options_it_was_made_with(monkeypatch):
+    """register() reads the kernel flags once and builds the insert with them: a call passes
+    that value to the kernel and reads no flag."""
+    seen = []
+    monkeypatch.setattr(plugin.set_kv, "fused_k_norm_rope_store",
+                        lambda *args, **kwargs: seen.append(kwargs["options"]))
+    layer, _ = standin_layer()
+    q, kv, positions = inputs(2)
+    meta = {layer.swa_cache_layer.prefix: SimpleNamespace(slot_mapping=torch.tensor([0, 1]),
+                                                          block_size=BLOCK)}
+    options = KernelOptions(backend="torch", value_checks=False)
+    plugin.insert_hook(Original(), options)(layer, q, kv, positions, meta)
+    assert seen == [options]
 
 
 @pytest.mark.parametrize("case", ["profile run", "bf16 cache", "padded heads", "no metadata"])
