@@ -76,8 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
     src = gen.add_argument_group("model")
     src.add_argument("--model-path", help="checkpoint directory: config.json, *.safetensors and, "
                      "for text, tokenizer.json (default: random weights)")
-    src.add_argument("--preset", default="tiny", help="preset for random weights: tiny, flash "
-                     "or pro (default tiny)")
+    src.add_argument("--preset", default="tiny", help="preset for random weights: tiny, small, "
+                     "flash or pro (default tiny)")
+    src.add_argument("--weights", choices=("native", "bf16"), default=None,
+                     help="native: hold and compute with the published FP8/FP4 formats; bf16: "
+                     "every quantized weight dequantized to bf16 (default native where the "
+                     "config's dims allow it, else bf16)")
     src.add_argument("--force", action="store_true",
                      help="run even when the memory estimate exceeds the device's memory")
     inp = gen.add_argument_group("prompts (default: --batch random prompts of --prompt-len ids)")

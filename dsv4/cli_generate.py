@@ -135,6 +135,7 @@ def print_report(r: dict, n_prompts: int, tokenizer, model_path: str | None = No
               "tokenizer.json prints text)")
     print(f"generated {_count(sum(map(len, r['tokens'])), 'token')} for "
           f"{_count(n_prompts, 'prompt')} on {r['device']}; graphs: {graph}")
+    print(f"weights: {r['weights']} ({r['weights_reason']})")
     print(f"prefill: time to first token {r['ttft_ms']} ms")
     if r["decode_steps"]:
         print(f"decode: {r['decode_tokens_per_s']} tokens/s; step latency p50 "
@@ -161,10 +162,10 @@ def print_report(r: dict, n_prompts: int, tokenizer, model_path: str | None = No
               f"({p['prefix_hit_rate']:.1%}); {same}")
 
 
-def _check_fits(args, config, prompts: list[list[int]], device) -> int:
+def _check_fits(args, config, prompts: list[list[int]], device, weights: str) -> int:
     """The run's context length, once the prompts are known to fit the model's positions and the
-    estimate fits the device (nothing is allocated before this)."""
-    from .memory_estimate import GIB, available_bytes, estimate
+    estimate (weights held as ``weights``) fits the device (nothing is allocated before this)."""
+    from .memory_estimate import available_bytes, estimate, shortfall
     from .model import DeepseekV4Model
 
     context_len = max(map(len, prompts)) + args.max_new_tokens
@@ -174,13 +175,26 @@ def _check_fits(args, config, prompts: list[list[int]], device) -> int:
             raise UsageError(f"a prompt of {max(map(len, prompts))} tokens plus "
                              f"--max-new-tokens {args.max_new_tokens} needs {context_len} "
                              f"positions; this model covers {positions}")
-    need = estimate(config, len(prompts), context_len, prompt_tokens=sum(map(len, prompts)))
-    have = available_bytes(device)
-    if need.total_bytes > have and not args.force:
-        raise UsageError(f"this run needs about {need.describe()} but {device} has "
-                         f"{have / GIB:.1f} GiB; use a smaller model, shorter or fewer prompts, "
-                         "or pass --force")
+    need = estimate(config, len(prompts), context_len, prompt_tokens=sum(map(len, prompts)),
+                    weights=weights)
+    problem = shortfall(need, available_bytes(device), str(device))
+    if problem and not args.force:
+        raise UsageError(problem)
     return context_len
+
+
+def weight_format(args, config) -> tuple[str, str]:
+    """The format the run holds its weights in ("native" or "bf16") and why."""
+    from .weights.formats import native_problem
+
+    problem = native_problem(config)
+    if args.weights == "native" and problem:
+        raise UsageError(f"--weights native: {problem}; use --weights bf16")
+    if args.weights:
+        return args.weights, f"--weights {args.weights}"
+    if problem:
+        return "bf16", f"default; native cannot run: {problem}"
+    return "native", "default: the published FP8/FP4 formats"
 
 
 def _config(args):
@@ -194,12 +208,14 @@ def _config(args):
     return ModelConfig.from_json(path / "config.json")
 
 
-def _model(args, config, context_len: int, device, on_tensor, options):
+def _model(args, config, weights: str, context_len: int, device, on_tensor, options):
     from . import DeepseekV4Model, init_random_weights, load_model
 
     if args.model_path:
-        return load_model(args.model_path, device=device, on_tensor=on_tensor, options=options)
-    model = DeepseekV4Model(config, device=device, max_seq_len=context_len, options=options)
+        return load_model(args.model_path, device=device, on_tensor=on_tensor, options=options,
+                          weights=weights)
+    model = DeepseekV4Model(config, device=device, max_seq_len=context_len, options=options,
+                            weights=weights)
     return init_random_weights(model, seed=args.seed)
 
 
@@ -238,10 +254,11 @@ def run(args) -> int:
     config = _config(args)
     tokenizer = load_tokenizer(args.model_path)
     prompts = prompts_from_args(args, tokenizer, config.vocab_size)
-    context_len = _check_fits(args, config, prompts, device)
+    weights, why = weight_format(args, config)
+    context_len = _check_fits(args, config, prompts, device, weights)
     options = Options.from_env()          # the DSV4_* flags, read once for the model and engine
     with bar("loading weights") as b:
-        model = _model(args, config, context_len, device, lambda: b.update(), options)
+        model = _model(args, config, weights, context_len, device, lambda: b.update(), options)
     eos = None if args.ignore_eos else model.config.eos_token_id
     engine = Engine(model, max_batch=len(prompts), max_context_len=context_len,
                     eos_token_id=eos, graph=args.graph, options=options,
@@ -263,6 +280,7 @@ def run(args) -> int:
             wall = time.perf_counter() - start
         passes.append(pass_report(i, engine, out.tokens))
     report = build_report(engine, wall, out.tokens, out.errors)
+    report["weights"], report["weights_reason"] = weights, why
     report["prefix_cache"] = engine.prefix_cache is not None
     report["passes"] = passes
     print_report(report, len(prompts), tokenizer, args.model_path)

@@ -53,7 +53,7 @@ def fixture_model(tmp_path_factory):
     logits, tokens, meta = read_fixture()
     path = save_random_checkpoint(ModelConfig.preset(meta["preset"]),
                                   tmp_path_factory.mktemp("ckpt"),
-                                  seed=int(meta["checkpoint_seed"]))
+                                  seed=int(meta["checkpoint_seed"]), quantize=False)
     assert checkpoint_digest(path) == meta["checkpoint_digest"], (
         "the random checkpoint is no longer the one the fixture was made from: rerun "
         "scripts/reference_oracle/make_fixture.py")

@@ -14,7 +14,8 @@ import torch
 from dsv4 import ModelConfig, save_random_checkpoint
 
 KEYS = {"tokens", "ttft_ms", "decode_tokens_per_s", "tokens_per_s", "step_latency_ms_p50",
-        "step_latency_ms_p90", "swa_translations_per_step", "graph", "pool_usage"}
+        "step_latency_ms_p90", "swa_translations_per_step", "graph", "pool_usage", "weights",
+        "weights_reason"}
 
 
 def clean_env(**extra):
@@ -69,6 +70,14 @@ def test_generate_reports_prefill_decode_and_pool_usage(graph):
     assert any(line.startswith("decode: ") and "tokens/s" in line for line in text)
     assert printed_tokens(text) == dict(enumerate(r["tokens"]))
     assert err == ""  # not a terminal: no progress bar
+    assert r["weights"] == "bf16" and "dim=64" in r["weights_reason"]  # tiny: too narrow
+    assert f"weights: bf16 ({r['weights_reason']})" in text
+
+
+def test_small_preset_runs_the_published_formats_by_default():
+    text, r, _ = generate("--preset", "small", "--no-graph", "--max-new-tokens", "3")
+    assert r["weights"] == "native" and r["decode_steps"] == 2
+    assert "weights: native (default: the published FP8/FP4 formats)" in text
 
 
 def test_readme_main_command_prints_the_engines_tokens(one_thread):
@@ -134,13 +143,20 @@ ERRORS = {  # arguments (and environment) -> the one line expected on stderr
     "bad flag value": ([], {"DSV4_GRAPH": "maybe"},
                        "error: DSV4_GRAPH='maybe': expected one of 0/1/true/false/on/off"),
     "unknown preset": (["--preset", "huge"], {},
-                       "error: unknown preset 'huge'; choose one of ['flash', 'pro', 'tiny']"),
+                       "error: unknown preset 'huge'; choose one of ['flash', 'pro', 'small', "
+                       "'tiny']"),
     "missing checkpoint": (["--model-path", "/nonexistent"], {},
                            "error: --model-path /nonexistent: no config.json there"),
     "text without tokenizer": (["--prompt", "hello"], {}, "error: --prompt is text and needs a "
                                "tokenizer"),
     "bad ids": (["--prompt-ids", "1,x"], {}, "error: --prompt-ids must be comma-separated"),
-    "too large": (["--preset", "flash"], {}, "error: this run needs about 531."),
+    "too large": (["--preset", "flash"], {}, "error: this run needs about 148."),
+    "too large in bf16": (["--preset", "flash", "--weights", "bf16"], {},
+                          "error: this run needs about 531."),
+    "too narrow for native": (["--weights", "native"], {},
+                              "error: --weights native: the FP8/FP4 linears need input dims that "
+                              "are multiples of 128; this config has dim=64, q_lora_rank=32, "
+                              "o_groups*o_lora_rank=64, moe_inter_dim=32; use --weights bf16"),
     "prompt too large for the machine": (["--prompt-len", "100000"], {},
                                          "error: this run needs about "),
     "bad sampling": (["--top-p", "0"], {}, "error: top_p must be in (0, 1], got 0.0"),
@@ -235,6 +251,7 @@ def report(n_tokens: list[int], passes: int = 1, prefix_cache: bool = False) -> 
             "graph_backend": None, "device": "cpu", "ttft_ms": 1.0, "decode_steps": 0,
             "tokens_per_s": 1.0, "swa_translations_per_step": None,
             "swa_cache_hits_per_step": None, "retractions": 0, "prefix_cache": prefix_cache,
+            "weights": "native", "weights_reason": "default: the published FP8/FP4 formats",
             "pool_usage": {"full_tokens_peak": 1, "full_tokens": 2, "swa_tokens_peak": 1,
                            "swa_tokens": 2, "peak_fraction": 0.5},
             "passes": [{"pass": i, **one} for i in range(passes)]}
