@@ -255,4 +255,11 @@ def _tiny() -> ModelConfig:
         moe_inter_dim=32, n_mtp_layers=0)
 
 
-_PRESETS = {"flash": _flash, "pro": _pro, "tiny": _tiny}
+def _small() -> ModelConfig:
+    # The tiny preset widened so that every FP8/FP4 linear's input dim is a multiple of 128 (the
+    # reference's act_quant asserts it): the smallest config that runs the published formats.
+    return dataclasses.replace(_tiny(), dim=256, q_lora_rank=128, moe_inter_dim=128, o_groups=2,
+                               o_lora_rank=64)
+
+
+_PRESETS = {"flash": _flash, "pro": _pro, "tiny": _tiny, "small": _small}

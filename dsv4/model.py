@@ -29,20 +29,23 @@ from .layers.norm import RMSNorm
 from .layers.rope import layer_freqs_cis
 from .options import Options
 from .paged_attention import PagedAttention, RingRowCapture
+from .weights.formats import native_problem
+
+WEIGHT_FORMATS = ("native", "bf16")
 
 logger = logging.getLogger(__name__)
 
 
 class DeepseekV4DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype = torch.bfloat16,
-                 device=None):
+                 device=None, native: bool = False):
         super().__init__()
         self.layer_id = layer_id
         self.config = cfg
         self.compress_ratio = cfg.layer_ratio(layer_id)
-        self.attn = Attention(cfg, layer_id, dtype, device)
+        self.attn = Attention(cfg, layer_id, dtype, device, native)
         self.paged = PagedAttention(self.attn)   # not a submodule: it owns no parameters
-        self.ffn = MoE(cfg, layer_id, dtype, device)
+        self.ffn = MoE(cfg, layer_id, dtype, device, native)
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
         mix = (2 + cfg.hc_mult) * cfg.hc_mult
@@ -84,18 +87,30 @@ class DeepseekV4DecoderLayer(nn.Module):
 class DeepseekV4Model(nn.Module):
     """options: what a forward computes with when its caller gives none (numerics, kernels,
     fused translation, multi-stream prepare); None reads the DSV4_* flags once, now, when the
-    model is made (``Options.from_env()``): a flag changed later does not reach this model."""
+    model is made (``Options.from_env()``): a flag changed later does not reach this model.
+
+    weights: "native" holds the published checkpoints' formats and computes as the reference's
+    FP8 mode: the attention projections (wq_a, wq_b, wkv, wo_b, the indexer's wq_b) and the
+    shared expert FP8 with 128x128 ue8m0 scales (``layers.quant_linear.Fp8Linear``), the routed
+    experts packed FP4 with 1x32 ue8m0 scales; wo_a, the embedding, gate, indexer weights_proj,
+    compressors, norms, mHC and head as the reference keeps them (bf16 / fp32). "bf16": every
+    linear in ``dtype`` (bf16 ``F.linear``). None: "native" where the config allows it (every
+    FP8/FP4 linear's input dim a multiple of 128, ``weights.formats.native_problem``), else
+    "bf16" (the tiny preset); asking "native" of a config that does not allow it raises."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.bfloat16, device=None,
-                 max_seq_len: int = 4096, options: Options | None = None):
+                 max_seq_len: int = 4096, options: Options | None = None,
+                 weights: str | None = None):
         super().__init__()
         config.validate()
         self.config = config
         self.options = Options.from_env() if options is None else options
         self.dtype = dtype
+        self.weights = resolve_weights(config, weights, dtype)
+        native = self.weights == "native"
         self.max_seq_len = max_seq_len
         self.embed = nn.Embedding(config.vocab_size, config.dim, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DeepseekV4DecoderLayer(config, i, dtype, device)
+        self.layers = nn.ModuleList(DeepseekV4DecoderLayer(config, i, dtype, device, native)
                                     for i in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps, device=device)
         self.head = Linear(config.dim, config.vocab_size, dtype=torch.float32, device=device)
@@ -155,6 +170,22 @@ class DeepseekV4Model(nn.Module):
         y = mhc.hc_head(x, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, c.norm_eps,
                         c.hc_eps)
         return self.head(self.norm(y).float())
+
+
+def resolve_weights(config: ModelConfig, weights: str | None, dtype: torch.dtype) -> str:
+    """The weight format a model of ``config`` holds: ``weights`` checked, or the default (see
+    ``DeepseekV4Model``)."""
+    problem = native_problem(config)
+    if weights is None:
+        return "bf16" if problem or dtype != torch.bfloat16 else "native"
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
+    if weights == "native" and problem:
+        raise ValueError(f"weights='native' is not possible: {problem}; use weights='bf16'")
+    if weights == "native" and dtype != torch.bfloat16:
+        raise ValueError(f"weights='native' computes in bf16 between the FP8 linears: dtype must "
+                         f"be torch.bfloat16, got {dtype}")
+    return weights
 
 
 def _f32(device, *shape) -> nn.Parameter:

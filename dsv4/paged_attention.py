@@ -101,7 +101,7 @@ def select_rows(indexer: Indexer, qr, x, freqs, plan: CompressPlan, rows: slice,
                 page_size: int, options: Options) -> tuple[torch.Tensor, torch.Tensor]:
     """(compressed locations [n, k], valid [n, k]) the indexer keeps for the queries in rows.
     The scores are one op reading the FP8 key cache in place (a Triton kernel on a GPU)."""
-    q = indexer.project_q(qr, freqs, options.reference)
+    q = indexer.project_q(qr, freqs, options.reference, options.kernel)
     w = indexer.head_weights(x, options.reference)
     loc, visible = plan.row_loc[rows], plan.row_valid[rows]
     scores = indexer_scores(q, w, cache, loc, visible, page_size, options=options.kernel)
@@ -150,7 +150,7 @@ def attend(attn: Attention, q: torch.Tensor, qr: torch.Tensor, x: torch.Tensor,
                 kv.append(read_kv_shared(caches.compressed, comp[0], caches.compressed_page_size))
                 valid.append(comp[1])
             o = attn.sparse_attention(q[rows], kv, valid, options.reference)
-        outs.append(attn.project_out(o, freqs[rows]))
+        outs.append(attn.project_out(o, freqs[rows], options.kernel))
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
@@ -209,8 +209,8 @@ class PagedAttention:
         at the step's SWA write slots (or, when the metadata has none, at out_cache_loc
         translated inside the store kernel through the pool's mapping), fused with q's
         weightless norm + RoPE (in place)."""
-        q, qr = self.attn.project_q(y)
-        kv = self.attn.project_kv(y)
+        q, qr = self.attn.project_q(y, meta.options.kernel)
+        kv = self.attn.project_kv(y, meta.options.kernel)
         args = (kv, self.attn.kv_norm.weight, self.attn.eps, freqs_cis, batch.positions)
         numerics, options = meta.options.store_numerics, meta.options.kernel
         if meta.swa_write_loc is None:

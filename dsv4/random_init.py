@@ -2,6 +2,9 @@
 activations, attention that is neither uniform nor one-hot, non-trivial routing and mixing.
 
 Used for tests, benchmarks and the CLI's default model (no downloads). Deterministic for a seed.
+A model holding the published formats (``weights="native"``) draws the same bf16 values and
+quantizes them as the checkpoints are, so its FP8/FP4 weights are those of the bf16 model of the
+same seed saved quantized (its bf16 ``wo_a`` is the bf16 model's; a checkpoint stores it FP8).
 """
 
 from __future__ import annotations
@@ -9,10 +12,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .weights import native
+
+
+def _normal(shape, g: torch.Generator, std: float, mean: float = 0.0) -> torch.Tensor:
+    return torch.randn(shape, generator=g) * std + mean
+
 
 def _normal_(p: torch.Tensor, g: torch.Generator, std: float, mean: float = 0.0) -> None:
     with torch.no_grad():
-        p.copy_((torch.randn(p.shape, generator=g) * std + mean).to(p.dtype))
+        p.copy_(_normal(p.shape, g, std, mean).to(p.dtype))
 
 
 def init_random_weights(model: nn.Module, seed: int = 0) -> nn.Module:
@@ -21,9 +30,18 @@ def init_random_weights(model: nn.Module, seed: int = 0) -> nn.Module:
     cfg = model.config
     g = torch.Generator().manual_seed(seed)
     hc = cfg.hc_mult
-    for name, p in sorted(model.state_dict(keep_vars=True).items()):
+    state = model.state_dict(keep_vars=True)
+    for name, p in sorted(state.items()):
         leaf = name.rsplit(".", 1)[-1]
-        if leaf == "tid2eid":
+        scale = state.get(name[:-len("weight")] + "scale") if leaf == "weight" else None
+        if scale is not None:       # a quantized weight: bf16 values, then its format
+            shape = native.logical_shape(p)
+            value = _normal(shape, g, shape[-1] ** -0.5).to(torch.bfloat16)
+            with torch.no_grad():
+                native.copy_quantized(p, scale, value)
+        elif leaf == "scale" and name[:-len("scale")] + "weight" in state:
+            continue                # filled with its weight
+        elif leaf == "tid2eid":
             with torch.no_grad():
                 ids = torch.stack([torch.randperm(cfg.n_routed_experts, generator=g)[:p.shape[1]]
                                    for _ in range(p.shape[0])])

@@ -20,16 +20,21 @@ import torch
 from torch import nn
 
 from hip_kernels.decode_attention import sparse_attention_rows
+from hip_kernels.options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 
 from .compressor import Compressor
 from .indexer import Indexer
 from .linear import Linear
 from .norm import RMSNorm
+from .quant_linear import make_linear
 from .rope import rope_tail
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg, layer_id: int, dtype: torch.dtype = torch.bfloat16, device=None):
+    def __init__(self, cfg, layer_id: int, dtype: torch.dtype = torch.bfloat16, device=None,
+                 native: bool = False):
+        """native: wq_a, wq_b, wkv, wo_b (and the indexer's wq_b) hold FP8 weights and compute as
+        the reference's FP8 linear; wo_a stays bf16, as the reference computes it."""
         super().__init__()
         self.layer_id = layer_id
         self.n_heads = cfg.n_heads
@@ -43,7 +48,7 @@ class Attention(nn.Module):
         self.softmax_scale = self.head_dim ** -0.5
 
         def linear(i, o):
-            return Linear(i, o, dtype=dtype, device=device)
+            return make_linear(i, o, native, dtype, device)
 
         self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32, device=device))
         self.wq_a = linear(cfg.dim, cfg.q_lora_rank)
@@ -51,20 +56,22 @@ class Attention(nn.Module):
         self.wq_b = linear(cfg.q_lora_rank, self.n_heads * self.head_dim)
         self.wkv = linear(cfg.dim, self.head_dim)
         self.kv_norm = RMSNorm(self.head_dim, self.eps, device=device)
-        self.wo_a = linear(self.n_heads * self.head_dim // self.n_groups,
-                           self.n_groups * self.o_lora_rank)
+        self.wo_a = Linear(self.n_heads * self.head_dim // self.n_groups,
+                           self.n_groups * self.o_lora_rank, dtype=dtype, device=device)
         self.wo_b = linear(self.n_groups * self.o_lora_rank, cfg.dim)
         self.compressor = (Compressor(cfg.dim, self.head_dim, self.rope_dim, self.ratio, self.eps,
                                       device=device) if self.ratio else None)
-        self.indexer = Indexer(cfg, dtype, device) if self.ratio == 4 else None
+        self.indexer = Indexer(cfg, dtype, device, native) if self.ratio == 4 else None
 
-    def project_q(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(q [N, H, 512] before its norm, qr [N, q_lora_rank])."""
-        qr = self.q_norm(self.wq_a(x))
-        return self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), qr
+    def project_q(self, x: torch.Tensor, options: KernelOptions = DEFAULT_KERNEL_OPTIONS
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q [N, H, 512] before its norm, qr [N, q_lora_rank]). options: the FP8 linears'."""
+        qr = self.q_norm(self.wq_a(x, options))
+        return self.wq_b(qr, options).unflatten(-1, (self.n_heads, self.head_dim)), qr
 
-    def project_kv(self, x: torch.Tensor) -> torch.Tensor:
-        return self.wkv(x)
+    def project_kv(self, x: torch.Tensor,
+                   options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
+        return self.wkv(x, options)
 
     def sparse_attention(self, q: torch.Tensor, kv: list[torch.Tensor],
                          valid: list[torch.Tensor], reference: bool) -> torch.Tensor:
@@ -75,10 +82,11 @@ class Attention(nn.Module):
         caches the model calls its op, which reads the FP8 rows in place)."""
         return sparse_attention_rows(q, kv, valid, self.attn_sink, self.softmax_scale, reference)
 
-    def project_out(self, o: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    def project_out(self, o: torch.Tensor, freqs_cis: torch.Tensor,
+                    options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
         """[N, H, 512] -> [N, dim]: inverse RoPE, grouped wo_a, wo_b."""
         o = rope_tail(o, freqs_cis, self.rope_dim, inverse=True)
         o = o.flatten(1).unflatten(-1, (self.n_groups, -1))
         w = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
         t = torch.einsum("ngd,grd->ngr", o, w)
-        return self.wo_b(t.flatten(1))
+        return self.wo_b(t.flatten(1), options)

@@ -16,32 +16,35 @@ import torch
 from torch import nn
 
 from hip_kernels import aiter_ops
+from hip_kernels.options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 
 from ..options import Options
 from .compressor import Compressor
 from .linear import Linear
+from .quant_linear import make_linear
 from .quant_sim import fp4_quant_dequant, hadamard_rotate
 from .rope import rope_tail
 
 
 class Indexer(nn.Module):
-    def __init__(self, cfg, dtype: torch.dtype = torch.bfloat16, device=None):
+    def __init__(self, cfg, dtype: torch.dtype = torch.bfloat16, device=None,
+                 native: bool = False):
         super().__init__()
         self.n_heads = cfg.index_n_heads
         self.head_dim = cfg.index_head_dim
         self.rope_dim = cfg.rope_head_dim
         self.topk = cfg.index_topk
         self.ratio = 4
-        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype=dtype,
-                           device=device)
+        self.wq_b = make_linear(cfg.q_lora_rank, self.n_heads * self.head_dim, native, dtype,
+                                device)
         self.weights_proj = Linear(cfg.dim, self.n_heads, dtype=dtype, device=device)
         self.compressor = Compressor(cfg.dim, self.head_dim, self.rope_dim, self.ratio,
                                      cfg.norm_eps, rotate=True, device=device)
 
-    def project_q(self, qr: torch.Tensor, freqs_cis: torch.Tensor,
-                  reference: bool) -> torch.Tensor:
+    def project_q(self, qr: torch.Tensor, freqs_cis: torch.Tensor, reference: bool,
+                  options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
         """Index queries [N, Hi, 128] (RoPE at the token positions, rotated, FP4-simulated)."""
-        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        q = self.wq_b(qr, options).unflatten(-1, (self.n_heads, self.head_dim))
         q = rope_tail(q, freqs_cis, self.rope_dim)
         return fp4_quant_dequant(hadamard_rotate(q, reference))
 

@@ -8,10 +8,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hip_kernels import aiter_ops
+from hip_kernels import aiter_ops, fp4_grouped_linear
+from hip_kernels.options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 
 from ..options import Options
-from .linear import Linear
+from .quant_linear import frozen, make_linear
 
 
 def gate_scores(logits: torch.Tensor, score_func: str) -> torch.Tensor:
@@ -78,77 +79,102 @@ class Gate(nn.Module):
 
 
 class Expert(nn.Module):
+    """The shared expert (FP8 linears when native)."""
+
     def __init__(self, dim: int, inter_dim: int, swiglu_limit: float,
-                 dtype: torch.dtype = torch.bfloat16, device=None):
+                 dtype: torch.dtype = torch.bfloat16, device=None, native: bool = False):
         super().__init__()
-        self.w1 = Linear(dim, inter_dim, dtype=dtype, device=device)
-        self.w2 = Linear(inter_dim, dim, dtype=dtype, device=device)
-        self.w3 = Linear(dim, inter_dim, dtype=dtype, device=device)
+        self.w1 = make_linear(dim, inter_dim, native, dtype, device)
+        self.w2 = make_linear(inter_dim, dim, native, dtype, device)
+        self.w3 = make_linear(dim, inter_dim, native, dtype, device)
         self.swiglu_limit = swiglu_limit
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = self.w1(x).float()
-        up = self.w3(x).float()
+    def forward(self, x: torch.Tensor,
+                options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
+        gate = self.w1(x, options).float()
+        up = self.w3(x, options).float()
         if self.swiglu_limit > 0:
             gate = gate.clamp(max=self.swiglu_limit)
             up = up.clamp(-self.swiglu_limit, self.swiglu_limit)
-        return self.w2((F.silu(gate) * up).to(x.dtype))
+        return self.w2((F.silu(gate) * up).to(x.dtype), options)
 
 
 class RoutedExperts(nn.Module):
     """The routed experts' weights, stacked by expert: w1, w3 [E, inter, dim], w2 [E, dim, inter]
     (each expert's matrix in nn.Linear's [out, in] layout). State dicts name them per expert, as
     checkpoints do (``{e}.w1.weight``, views of the stacked tensors), so loading, saving and
-    seeded initialisation see the same names and shapes as a list of per-expert modules."""
+    seeded initialisation see the same names and shapes as a list of per-expert modules.
+
+    native: the published FP4 format, e2m1 codes packed two a byte as int8 [E, out, in/2] (element
+    2i in the low nibble) with one ue8m0 scale per 32 inputs, ``w1_scale`` [E, out, in/32]
+    (``{e}.w1.scale`` in state dicts)."""
 
     PROJECTIONS = ("w1", "w2", "w3")
+    FP4_BLOCK = 32
 
     def __init__(self, n_experts: int, dim: int, inter_dim: int, dtype=torch.bfloat16,
-                 device=None):
+                 device=None, native: bool = False):
         super().__init__()
         self.n_experts = n_experts
+        self.native = native
         shapes = {"w1": (inter_dim, dim), "w2": (dim, inter_dim), "w3": (inter_dim, dim)}
-        for name, shape in shapes.items():
-            self.register_parameter(name, nn.Parameter(torch.empty(n_experts, *shape,
-                                                                   dtype=dtype, device=device)))
+        for name, (n, k) in shapes.items():
+            if native:
+                self.register_parameter(name, frozen((n_experts, n, k // 2), torch.int8, device))
+                self.register_parameter(name + "_scale", frozen(
+                    (n_experts, n, k // self.FP4_BLOCK), torch.float8_e8m0fnu, device))
+            else:
+                self.register_parameter(name, nn.Parameter(torch.empty(n_experts, n, k,
+                                                                       dtype=dtype, device=device)))
         self._register_state_dict_hook(_per_expert_entries)
         self._register_load_state_dict_pre_hook(_stacked_entries)
 
+    def entries(self):
+        """(parameter name, per-expert leaf) pairs: ("w1", "weight"), ("w1_scale", "scale")..."""
+        leaves = (("", "weight"), ("_scale", "scale")) if self.native else (("", "weight"),)
+        return [(name + suffix, f"{name}.{leaf}") for name in self.PROJECTIONS
+                for suffix, leaf in leaves]
+
 
 def _per_expert_entries(module: RoutedExperts, state_dict, prefix, local_metadata) -> None:
-    for name in RoutedExperts.PROJECTIONS:
-        stacked = state_dict.pop(prefix + name)
+    for param, leaf in module.entries():
+        stacked = state_dict.pop(prefix + param)
         for e in range(module.n_experts):
-            state_dict[f"{prefix}{e}.{name}.weight"] = stacked[e]
+            state_dict[f"{prefix}{e}.{leaf}"] = stacked[e]
 
 
 def _stacked_entries(state_dict, prefix, *args) -> None:
     """load_state_dict: gather the per-expert entries into the stacked ones."""
-    for name in RoutedExperts.PROJECTIONS:
-        keys = [k for k in state_dict if k.startswith(prefix) and k.endswith(f".{name}.weight")
+    for param, leaf in (("w1", "w1.weight"), ("w2", "w2.weight"), ("w3", "w3.weight"),
+                        ("w1_scale", "w1.scale"), ("w2_scale", "w2.scale"),
+                        ("w3_scale", "w3.scale")):
+        keys = [k for k in state_dict if k.startswith(prefix) and k.endswith(f".{leaf}")
                 and k[len(prefix):].split(".")[0].isdigit()]
         if keys:
             keys.sort(key=lambda k: int(k[len(prefix):].split(".")[0]))
-            state_dict[prefix + name] = torch.stack([state_dict.pop(k) for k in keys])
+            state_dict[prefix + param] = torch.stack([state_dict.pop(k) for k in keys])
 
 
 class MoE(nn.Module):
     """Routed experts run as grouped GEMMs over the (token, expert) pairs sorted by expert: the
     shapes depend only on the batch (pairs = tokens x top-k), the group offsets stay on the
-    device, so a step needs no host read and a graph can hold it."""
+    device, so a step needs no host read and a graph can hold it. native: the routed experts in
+    FP4 (``hip_kernels.fp4_grouped_linear``), the shared expert in FP8, as the reference's FP8
+    mode computes them."""
 
-    def __init__(self, cfg, layer_id: int, dtype: torch.dtype = torch.bfloat16, device=None):
+    def __init__(self, cfg, layer_id: int, dtype: torch.dtype = torch.bfloat16, device=None,
+                 native: bool = False):
         super().__init__()
         self.n_experts = cfg.n_routed_experts
         self.swiglu_limit = cfg.swiglu_limit
         self.gate = Gate(cfg, layer_id, dtype, device)
         self.experts = RoutedExperts(cfg.n_routed_experts, cfg.dim, cfg.moe_inter_dim, dtype,
-                                     device)
-        self.shared_experts = (Expert(cfg.dim, cfg.moe_inter_dim, cfg.swiglu_limit, dtype, device)
-                               if cfg.n_shared_experts else None)
+                                     device, native)
+        self.shared_experts = (Expert(cfg.dim, cfg.moe_inter_dim, cfg.swiglu_limit, dtype, device,
+                                      native) if cfg.n_shared_experts else None)
 
-    def routed(self, x: torch.Tensor, weights: torch.Tensor,
-               indices: torch.Tensor) -> torch.Tensor:
+    def routed(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
+               options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
         """sum over each token's chosen experts of weight * expert(x), fp32 [N, dim]; per token
         the experts are added in ascending expert order."""
         n, k = indices.shape
@@ -160,19 +186,26 @@ class MoE(nn.Module):
         offs = counts.cumsum(0, dtype=torch.int32)
         xs = x[token]
         w = self.experts
-        gate = torch._grouped_mm(xs, w.w1.transpose(1, 2), offs=offs).float()
-        up = torch._grouped_mm(xs, w.w3.transpose(1, 2), offs=offs).float()
+
+        def grouped(rows, name):
+            if w.native:
+                return fp4_grouped_linear(rows, getattr(w, name), getattr(w, name + "_scale"),
+                                          offs, options=options)
+            return torch._grouped_mm(rows, getattr(w, name).transpose(1, 2), offs=offs)
+
+        gate = grouped(xs, "w1").float()
+        up = grouped(xs, "w3").float()
         if self.swiglu_limit > 0:
             gate = gate.clamp(max=self.swiglu_limit)
             up = up.clamp(-self.swiglu_limit, self.swiglu_limit)
         h = weights.flatten()[order, None] * (F.silu(gate) * up)
-        out = torch._grouped_mm(h.to(x.dtype), w.w2.transpose(1, 2), offs=offs)
+        out = grouped(h.to(x.dtype), "w2")
         return torch.zeros(n, x.shape[1], dtype=torch.float32, device=x.device).index_add_(
             0, token, out.float())
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor, options: Options) -> torch.Tensor:
         weights, indices = self.gate(x, input_ids, options)
-        y = self.routed(x, weights, indices)
+        y = self.routed(x, weights, indices, options.kernel)
         if self.shared_experts is not None:
-            y += self.shared_experts(x)
+            y += self.shared_experts(x, options.kernel)
         return y.to(x.dtype)

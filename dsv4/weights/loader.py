@@ -1,8 +1,8 @@
 """``load_model``: a DeepseekV4Model from a directory of config.json + safetensors shards.
 
 Accepts the reference tensor names and the Hugging Face variant (``names.py``), FP8 block-scaled
-and FP4 (1x32) quantized weights (dequantized at load, ``quant.py``), skips MTP tensors with a
-notice, and checks every name and shape before the first tensor is read: all problems are
+and FP4 (1x32) quantized weights (kept as stored by a model holding the published formats,
+``native.py``; dequantized for a bf16 model, ``quant.py``), skips MTP tensors with a notice, and checks every name and shape before the first tensor is read: all problems are
 reported together in one ``CheckpointError``. Tensors are read and copied one at a time, so the
 peak memory is the model plus one tensor.
 """
@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from . import quant
+from . import native, quant
+from .formats import native_problem
 from .names import is_mtp, to_reference
 
 logger = logging.getLogger(__name__)
@@ -191,6 +192,29 @@ def check_values(plan: Plan, value: torch.Tensor, config) -> None:
                              f"0..{n - 1} (n_routed_experts={n})")
 
 
+def load_native(plan: Plan, handles: dict[Path, object], block: tuple[int, int],
+                weight: torch.Tensor, scale: torch.Tensor, options, config) -> None:
+    """Fill a quantized model weight and its scale: the stored bytes where the checkpoint holds
+    the same format (FP8 in the kernels' 128x128 blocks, or packed FP4), else the stored value
+    (dequantized when quantized) quantized as the checkpoints are."""
+    fp4 = native.is_fp4(weight)
+    same_format = plan.scale is not None and (
+        plan.value.code in _PACKED_FP4_CODES + _FP4_CODES if fp4
+        else plan.value.code in _FP8_CODES and block == quant.DEFAULT_FP8_BLOCK)
+    if not same_format:
+        value = read_tensor(plan, handles, block)
+        if options.check_weights:
+            check_values(plan, value, config)
+        native.copy_quantized(weight, scale, value)
+        return
+    value = handles[plan.value.file].get_tensor(plan.value.name)
+    stored_scale = handles[plan.scale.file].get_tensor(plan.scale.name)
+    if options.check_weights:
+        check_values(plan, quant.dequant_fp4(value, stored_scale) if fp4
+                    else quant.dequant_fp8(value, stored_scale, block), config)
+    native.copy_stored(weight, scale, value, stored_scale, plan.value.name)
+
+
 def fp8_block_size(raw_config: dict) -> tuple[int, int]:
     qc = raw_config.get("quantization_config") or {}
     block = qc.get("weight_block_size", quant.DEFAULT_FP8_BLOCK)
@@ -198,12 +222,17 @@ def fp8_block_size(raw_config: dict) -> tuple[int, int]:
 
 
 def load_model(path, device="cpu", dtype: torch.dtype = torch.bfloat16, on_tensor=None,
-               options=None):
+               options=None, weights: str | None = None):
     """Build a DeepseekV4Model from ``path`` (config.json + safetensors) on ``device``.
 
     ``dtype`` is the model's compute dtype for its large weights; parameters the model keeps in
-    float32 (norms, mHC, compressor, sinks, head) stay float32. Quantized weights are dequantized
-    exactly (value times power-of-two scale) and rounded once to the parameter's dtype.
+    float32 (norms, mHC, compressor, sinks, head) stay float32. ``weights``: the model's format
+    (``DeepseekV4Model``). "native": quantized tensors keep their stored bytes and scales (FP8
+    made fnuz exactly on an fnuz platform), bf16/fp32 ones are quantized as the checkpoints are,
+    and an FP8 ``wo_a`` is dequantized (the reference computes it in bf16). "bf16": quantized
+    weights are dequantized exactly (value times power-of-two scale) and rounded once to the
+    parameter's dtype. None: "native" for a quantized checkpoint whose config allows it, else
+    "bf16".
     ``on_tensor``, if given, is called after each tensor is loaded (progress reporting).
     ``options``: the model's ``dsv4.Options`` (None: read from the DSV4_* flags now); with
     ``options.check_weights`` every tensor is scanned for NaN/inf and tid2eid for experts out of
@@ -224,10 +253,16 @@ def load_model(path, device="cpu", dtype: torch.dtype = torch.bfloat16, on_tenso
     files = checkpoint_files(path)
     stored = read_headers(files)
 
-    model = DeepseekV4Model(config, dtype=dtype, device=device, options=options)
+    if weights is None:
+        quantized = any(to_reference(name)[1] for name in stored)
+        weights = "native" if quantized and not native_problem(config) else "bf16"
+    model = DeepseekV4Model(config, dtype=dtype, device=device, options=options, weights=weights)
     targets = model.state_dict()
-    plans, mtp = plan_load(stored, {k: v.shape for k, v in targets.items()}, config.n_layers,
-                           block, path)
+    scales = {name[:-len("weight")] + "scale": name for name in targets
+              if name.endswith(".weight") and name[:-len("weight")] + "scale" in targets}
+    expected = {k: (native.logical_shape(v) if k in scales.values() else v.shape)
+                for k, v in targets.items() if k not in scales}
+    plans, mtp = plan_load(stored, expected, config.n_layers, block, path)
     if mtp:
         logger.info("skipping %d MTP tensors (this model has no MTP layers), e.g. %s",
                     len(mtp), mtp[0])
@@ -235,6 +270,10 @@ def load_model(path, device="cpu", dtype: torch.dtype = torch.bfloat16, on_tenso
     with contextlib.ExitStack() as stack, torch.no_grad():
         handles = {f: stack.enter_context(safe_open(f, framework="pt")) for f in files}
         for plan in plans:
+            scale = targets.get(plan.target[:-len("weight")] + "scale")
+            if scale is not None:
+                load_native(plan, handles, block, targets[plan.target], scale, options, config)
+                continue
             value = read_tensor(plan, handles, block)
             if options.check_weights:
                 check_values(plan, value, config)
@@ -242,6 +281,6 @@ def load_model(path, device="cpu", dtype: torch.dtype = torch.bfloat16, on_tenso
             if on_tensor is not None:
                 on_tensor()
     n_quant = sum(p.scale is not None for p in plans)
-    logger.info("loaded %d tensors (%d dequantized) from %d file(s) in %s",
-                len(plans), n_quant, len(files), path)
+    logger.info("loaded %d tensors (%d quantized, held %s) from %d file(s) in %s",
+                len(plans), n_quant, weights, len(files), path)
     return model

@@ -10,8 +10,8 @@ PATH/TO/inference is the ``inference/`` folder published with the DeepSeek-V4 we
 ``kernel_shims``). Nothing of it is copied here: the fixture holds only token ids, logits and
 digests. Steps:
 
-1. ``save_random_checkpoint(ModelConfig.preset("tiny"), DIR, seed=--seed)`` (reference names,
-   unquantized weights), into a temporary directory;
+1. ``save_random_checkpoint(ModelConfig.preset("tiny"), DIR, seed=--seed, quantize=False)``
+   (reference names, unquantized weights), into a temporary directory;
 2. ``run_reference``'s teacher-forced decode of --tokens on it (1-token prefill, then one token
    per step), logits fp32 [len(tokens), vocab];
 3. the fixture: ``logits``, ``tokens``, and metadata: the checkpoint seed, preset, a SHA-256 of
@@ -37,7 +37,6 @@ together (--extend-prefill tokens each), then decoded together, one forced token
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
 import json
 import sys
@@ -62,15 +61,12 @@ def default_fixture(mode: str = "bf16") -> Path:
 
 
 def fp8_config():
-    """The tiny preset with every quantized linear's input dim a multiple of 128 (dim 256,
-    q_lora_rank 128, moe_inter_dim 128, 2 output groups of rank 64; 4 heads of 512 and the
-    indexer's 128 as in tiny)."""
+    """The ``small`` preset: the tiny preset with every quantized linear's input dim a multiple of
+    128 (dim 256, q_lora_rank 128, moe_inter_dim 128, 2 output groups of rank 64; 4 heads of 512
+    and the indexer's 128 as in tiny)."""
     from dsv4.config import ModelConfig
 
-    cfg = dataclasses.replace(ModelConfig.preset("tiny"), dim=256, q_lora_rank=128,
-                              moe_inter_dim=128, o_groups=2, o_lora_rank=64)
-    cfg.validate()
-    return cfg
+    return ModelConfig.preset("small")
 
 
 def checkpoint_digest(path: Path) -> str:

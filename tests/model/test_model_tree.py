@@ -47,10 +47,12 @@ FLASH_SHAPES = {
 
 @pytest.fixture(scope="module")
 def flash_cut():
-    """Flash-shaped layers 0..4 (ratios 0, 0, 4, 128, 4; layers 0-2 hash-routed), on meta."""
+    """Flash-shaped layers 0..4 (ratios 0, 0, 4, 128, 4; layers 0-2 hash-routed), on meta; bf16
+    weights, so every linear has its logical [out, in] shape (test_model_native_weights.py has
+    the published formats' shapes)."""
     cfg = ModelConfig.preset("flash")
     cfg = dataclasses.replace(cfg, n_layers=5, compress_ratios=cfg.compress_ratios[:5])
-    return DeepseekV4Model(cfg, device="meta").state_dict()
+    return DeepseekV4Model(cfg, device="meta", weights="bf16").state_dict()
 
 
 def test_published_flash_shapes(flash_cut):

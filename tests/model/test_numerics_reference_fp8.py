@@ -7,12 +7,12 @@ e4m3 per 128 values and runs the block-scaled ``fp8_gemm``, the routed experts `
 two cases: batch 1 (a 1-token prefill, then one forced token per step, 140 positions) and a
 batch of two 130-token prompts prefilled together, then decoded together for 10 forced steps.
 
-The model must compute with the checkpoint's FP8/FP4 weights and quantize the activations as the
-reference does; until it does (it dequantizes the weights to bf16 at load and runs bf16
-linears) the bit-equality tests fail, and are marked so. Measured with the bf16-dequantized
-model (torch 2.13 on AVX2): batch 1: 0/140 steps bit-identical (the first one differs), max
-|diff| 2.14, mean cosine 0.981 (worst 0.778), argmax agreement 0.786; batch 2: 0/22, max |diff|
-1.86, mean cosine 0.987, argmax agreement 0.818.
+``load_model`` gives a model holding the checkpoint's FP8/FP4 weights (``weights="native"``,
+the default for a quantized checkpoint), which quantizes the activations as the reference does.
+The same checkpoint loaded with ``weights="bf16"`` (dequantized weights, bf16 linears) is only
+close (measured, torch 2.13 on AVX2: batch 1: 0/140 steps bit-identical, max |diff| 2.14, mean
+cosine 0.981, argmax agreement 0.786; batch 2: 0/22, max |diff| 1.86, mean cosine 0.987, argmax
+agreement 0.818).
 """
 
 import json
@@ -29,9 +29,6 @@ from reference_logits_fixtures import (DATA, checkpoint_digest, fixture_for_here
 
 FIXTURES = sorted(DATA.glob("reference_logits_fp8_*.safetensors"))
 BF16_FIXTURES = sorted(DATA.glob("reference_logits_tiny_*.safetensors"))
-NOT_NATIVE_YET = pytest.mark.xfail(
-    strict=True, reason="the model dequantizes FP8/FP4 weights to bf16 at load and runs bf16 "
-    "linears; the reference quantizes activations to FP8 and runs block-scaled FP8/FP4 GEMMs")
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -66,7 +63,7 @@ def replayed(tmp_path_factory):
         "the random checkpoint is no longer the one the fixture was made from: rerun "
         "scripts/reference_oracle/make_fixture.py --mode fp8")
     options = Options()
-    model = load_model(path, options=options)
+    model = load_model(path, options=options, weights="native")
     tokens = tensors["tokens"].tolist()
     rows = tensors["extend_tokens"].tolist()
     prefill = int(meta["extend_prefill"])
@@ -99,7 +96,6 @@ def test_logits_are_close_to_the_reference_fp8_mode(replayed, case):
     assert cos.mean() > 0.97 and agree > 0.7, report(got, want)
 
 
-@NOT_NATIVE_YET
 @pytest.mark.parametrize("case", ["decode", "extend"])
 def test_eager_decode_gives_the_reference_fp8_logits_bit_for_bit(replayed, case):
     """Bits are expected from the same torch version and CPU kernel set as the fixture's."""
