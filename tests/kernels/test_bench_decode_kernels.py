@@ -1,38 +1,21 @@
 """scripts/bench_decode_kernels.py --quick runs on this machine and writes the documented JSON;
 with the interpreter asked for, the Triton rows are checked against the torch backend."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
+from bench_runner import quick_record, run_script
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_decode_kernels.py"
 ROW_KEYS = {"op", "numerics", "backend", "batch", "p50_us", "p90_us", "min_us", "reps", "clock",
             "bytes", "gb_per_s", "hbm_fraction", "max_abs_diff"}
 CASES = {("sparse_decode_attention", "reference"), ("sparse_decode_attention", "fp32"),
          ("indexer_scores", "reference")}
 
 
-def run(*args, **env):
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, **env})
-
-
 def test_help():
-    out = run("--help")
+    out = run_script("bench_decode_kernels.py", "--help")
     assert out.returncode == 0 and "--quick" in out.stdout and "--batches" in out.stdout
 
 
 def test_quick_run_writes_the_documented_json(tmp_path):
-    out_file = tmp_path / "bench.json"
-    proc = run("--quick", "--no-progress", "--out", str(out_file))
-    assert proc.returncode == 0, proc.stderr
-    record = json.loads(out_file.read_text())
-    for key in ("benchmark", "schema_version", "created", "argv", "quick", "device", "env",
-                "config", "peak_hbm_bytes_per_s", "skipped", "notes", "results"):
-        assert key in record, key
-    assert record["benchmark"] == "bench_decode_kernels" and record["quick"] is True
+    record = quick_record("bench_decode_kernels.py", tmp_path / "bench.json")
     batches = record["config"]["batches"]
     ran = {(r["op"], r["numerics"], r["backend"], r["batch"]) for r in record["results"]}
     assert {(op, mode, "torch", b) for op, mode in CASES for b in batches} <= ran
@@ -47,12 +30,9 @@ def test_quick_run_writes_the_documented_json(tmp_path):
 def test_interpreted_triton_rows_match_torch(tmp_path):
     """Asked for on a CPU, Triton runs interpreted (a note says its times mean nothing) and its
     outputs stay within the kernels' stated tolerances of the torch backend's."""
-    out_file = tmp_path / "bench.json"
-    proc = run("--quick", "--no-progress", "--backends", "torch,triton", "--batches", "1",
-               "--heads", "4", "--comp", "8", "--index-heads", "8", "--index-rows", "16",
-               "--out", str(out_file), TRITON_INTERPRET="1")
-    assert proc.returncode == 0, proc.stderr
-    record = json.loads(out_file.read_text())
+    record = quick_record("bench_decode_kernels.py", tmp_path / "bench.json", "--backends",
+                          "torch,triton", "--batches", "1", "--heads", "4", "--comp", "8",
+                          "--index-heads", "8", "--index-rows", "16", TRITON_INTERPRET="1")
     triton = [r for r in record["results"] if r["backend"] == "triton"]
     assert {(r["op"], r["numerics"]) for r in triton} == CASES
     if record["device"] != "cuda":

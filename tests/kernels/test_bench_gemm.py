@@ -1,38 +1,21 @@
 """scripts/bench_gemm.py --quick runs on this machine and writes the documented JSON: every
 quantized linear of the model beside its bf16 GEMM, per backend that runs here."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
+from bench_runner import quick_record, run_script
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_gemm.py"
 ROW_KEYS = {"model", "layer", "op", "backend", "tokens", "rows", "k", "n", "experts", "p50_us",
             "p90_us", "min_us", "reps", "clock", "bytes", "gb_per_s", "hbm_fraction",
             "max_abs_diff"}
 LAYERS = {"wq_a", "wq_b", "wkv", "wo_b", "shared_w1", "shared_w2", "experts_w1", "experts_w2"}
 
 
-def run(*args, **env):
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, **env})
-
-
 def test_help():
-    out = run("--help")
+    out = run_script("bench_gemm.py", "--help")
     assert out.returncode == 0 and "--quick" in out.stdout and "--tokens" in out.stdout
 
 
 def test_quick_run_writes_the_documented_json(tmp_path):
-    out_file = tmp_path / "bench.json"
-    proc = run("--quick", "--no-progress", "--out", str(out_file))
-    assert proc.returncode == 0, proc.stderr
-    record = json.loads(out_file.read_text())
-    for key in ("benchmark", "schema_version", "created", "argv", "quick", "device", "env",
-                "config", "peak_hbm_bytes_per_s", "skipped", "notes", "results"):
-        assert key in record, key
-    assert record["benchmark"] == "bench_gemm" and record["quick"] is True
+    record = quick_record("bench_gemm.py", tmp_path / "bench.json")
     tokens = record["config"]["tokens"]
     rows = record["results"]
     for backend in ("torch", "bf16"):

@@ -11,10 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-sys.path.insert(0, str(SCRIPTS))
+from bench_runner import SCRIPTS, check_record, run_script
 
-import bench_common as bc  # noqa: E402
+import bench_common as bc  # noqa: E402  (scripts/ is on the path through bench_runner)
 import plot_results  # noqa: E402
 import summarize_results  # noqa: E402
 
@@ -27,19 +26,6 @@ DECODE_ROW_KEYS = {"config", "env", "concurrency", "context_len", "new_tokens", 
                    "graph_used", "flags", "itl_p50_vs_default", "step_ops", "step_syncs",
                    "step_device_syncs",
                    "forward_ops", "forward_syncs"}
-
-
-def run_script(name, *args, timeout=300):
-    return subprocess.run([sys.executable, str(SCRIPTS / name), *args], capture_output=True,
-                          text=True, timeout=timeout)
-
-
-def check_record(record, benchmark):
-    for key in bc.RECORD_KEYS:
-        assert key in record, key
-    assert record["benchmark"] == benchmark and record["quick"] is True
-    assert set(bc.ENV_KEYS) <= record["env"].keys()
-    assert record["env"]["torch"] == torch.__version__
 
 
 # ---- bench_common ---------------------------------------------------------------------------
