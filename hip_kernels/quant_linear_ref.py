@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import torch
 
+from .capture import is_capturing
 from .platform import FNUZ, OCP, Fp8Dialect
 
 ACT_BLOCK = 128
@@ -133,12 +134,22 @@ def groups(offs: torch.Tensor) -> list[tuple[int, int]]:
 def grouped_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                        offs: torch.Tensor, scale_fmt: str | None, dialect: Fp8Dialect,
                        fp4: bool) -> torch.Tensor:
-    """Rows [start, end) of expert e: act_quant, then expert e's GEMM; rows past offs[-1]: 0."""
+    """Rows [start, end) of expert e: act_quant, then expert e's GEMM; rows past offs[-1]: 0.
+    Inside a graph capture, where offs cannot be read on the host, every expert's GEMM runs over
+    all rows and each row keeps its own expert's result: the same bits (rows are independent),
+    E times the work."""
     out = torch.zeros(x.shape[0], weight.shape[1], dtype=torch.bfloat16, device=x.device)
+    gemm = fp4_gemm_ref if fp4 else fp8_gemm_ref
+    if is_capturing():
+        q, s = act_quant(x, scale_fmt, dialect)
+        rows = torch.arange(x.shape[0], dtype=offs.dtype, device=x.device)
+        row_expert = torch.searchsorted(offs, rows, right=True)[:, None]
+        for e in range(weight.shape[0]):
+            out = torch.where(row_expert == e, gemm(q, s, weight[e], weight_scale[e]), out)
+        return out
     for e, (start, end) in enumerate(groups(offs)):
         if end > start:
             q, s = act_quant(x[start:end], scale_fmt, dialect)
-            gemm = fp4_gemm_ref if fp4 else fp8_gemm_ref
             out[start:end] = gemm(q, s, weight[e], weight_scale[e])
     return out
 

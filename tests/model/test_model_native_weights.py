@@ -147,3 +147,18 @@ def test_fp8_linear_module_is_one_fp8_linear_op(quantized_ckpt):
     x = torch.randn(2, 3, lin.in_features, generator=torch.Generator().manual_seed(1)).bfloat16()
     want = fp8_linear(x.flatten(0, 1), lin.weight, lin.scale).view(2, 3, -1)
     assert torch.equal(lin(x), want)
+
+
+def test_captured_decode_of_a_native_model_equals_eager(small):
+    """The routed experts' grouped FP4 op inside a (CPU-emulated) graph: no host read of the
+    group offsets, the eager bits."""
+    from dsv4.engine import Engine
+
+    model = init_random_weights(DeepseekV4Model(small, options=Options()), SEED)
+    out = []
+    for graph in (False, True):
+        engine = Engine(model, max_batch=2, max_context_len=256, page_size=128, graph=graph,
+                        options=Options())
+        out.append(engine.generate([[5, 6, 7, 8], [9, 10, 11]], 4, return_logits=True))
+    assert out[0].tokens == out[1].tokens
+    assert torch.equal(out[0].logits, out[1].logits)
