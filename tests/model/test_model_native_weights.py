@@ -162,3 +162,41 @@ def test_captured_decode_of_a_native_model_equals_eager(small):
         out.append(engine.generate([[5, 6, 7, 8], [9, 10, 11]], 4, return_logits=True))
     assert out[0].tokens == out[1].tokens
     assert torch.equal(out[0].logits, out[1].logits)
+
+
+def test_other_encodings_and_hf_naming_load_the_same_bytes(small, tmp_path, quantized_ckpt):
+    """float4_e2m1fn_x2 experts with raw-byte scales, float32 (power-of-two) FP8 scales, and the
+    Hugging Face naming give the native model the same bytes."""
+    from safetensors.torch import save_file
+
+    baseline = load_model(quantized_ckpt, options=Options()).state_dict()
+    tensors = stored_tensors(quantized_ckpt)
+    for name, t in list(tensors.items()):
+        scale = name[:-len("weight")] + "scale"
+        if t.dtype == torch.int8:
+            tensors[name] = t.view(torch.float4_e2m1fn_x2)
+            tensors[scale] = tensors[scale].view(torch.uint8)
+        elif t.dtype == torch.float8_e4m3fn:
+            tensors[scale] = tensors[scale].float()
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text((quantized_ckpt / "config.json").read_text())
+    save_file(tensors, other / "model.safetensors")
+    hf = save_random_checkpoint(small, tmp_path / "hf", SEED, naming="hf", quantize=True)
+    for path in (other, hf):
+        got = load_model(path, options=Options(), weights="native").state_dict()
+        for name, t in baseline.items():
+            assert torch.equal(as_bytes(got[name]), as_bytes(t)), (path.name, name)
+
+
+def test_scales_that_are_not_powers_of_two_are_refused_naming_the_tensor(tmp_path,
+                                                                         quantized_ckpt):
+    from safetensors.torch import save_file
+
+    tensors = stored_tensors(quantized_ckpt)
+    tensors["layers.0.attn.wkv.scale"] = tensors["layers.0.attn.wkv.scale"].float() * 1.5
+    (tmp_path / "config.json").write_text((quantized_ckpt / "config.json").read_text())
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"layers\.0\.attn\.wkv\.weight.*weights='bf16'"):
+        load_model(tmp_path, options=Options(), weights="native")
+    load_model(tmp_path, options=Options(), weights="bf16")      # dequantized: fine
