@@ -14,7 +14,12 @@ skipped). --quick runs the first four.
 
 Model: on a CPU the tiny preset (all its layers); on a GPU the flash preset cut to --layers
 layers (default 4; Flash/Pro-shaped layers, seeded random weights), optionally with fewer routed
-experts (--experts): the cut is stated in "model".
+experts (--experts): the cut is stated in "model". --weights: the format the sweep's model holds
+(default native where the config allows it, else bf16; "model" says which).
+
+Weight bytes (``weight_reads.py``, in this process, after the sweep): for each format the config
+allows (native, bf16), the weight bytes one eager decode step reads (the first --concurrency and
+--contexts value) against the native active bytes of that step: a count, not a time.
 
 Timing: the engine runs one forward per decode step; a step's latency (the ITL sample) is the
 time from the start of its forward to the start of the next one (the last: to the return of
@@ -23,7 +28,9 @@ tokens on the host every step, so host timestamps bound device work.
 
 Output JSON (beyond bench_common's record keys):
   "model": preset, n_layers, n_layers_full, reduced, n_routed_experts, n_routed_experts_full,
-      parameters, note
+      parameters, weights, note
+  "weight_reads": one row per weight format: weights, concurrency, context_len, bytes_read,
+      native_active_bytes, read_vs_native_active
   "configs": [{"name", "env"}]; "notes": caveats of this run
   "results": one row per (config, concurrency, context_len): config, env, concurrency,
       context_len, new_tokens, decode_steps, itl_ms_p50, itl_ms_p90, itl_ms_mean, prefill_ms,
@@ -59,6 +66,7 @@ from pathlib import Path
 import torch
 
 import bench_common as bc
+import weight_reads
 
 FLAG_FLIPS = (("DSV4_GRAPH", "0"), ("DSV4_CACHE_SWA_TRANSLATION", "0"),
               ("DSV4_MULTI_STREAM_PREPARE", "1"))
@@ -98,13 +106,15 @@ def build_model(spec: dict):
                   n_mtp_layers=0, n_hash_layers=min(cfg.n_hash_layers, layers),
                   n_routed_experts=spec["experts"] or cfg.n_routed_experts)
     max_seq_len = max(spec["contexts"]) + spec["new_tokens"]
-    model = DeepseekV4Model(cfg, device=bc.device(), max_seq_len=max_seq_len)
+    model = DeepseekV4Model(cfg, device=bc.device(), max_seq_len=max_seq_len,
+                            weights=spec["weights"])
     init_random_weights(model, spec["seed"])
     reduced = layers < full_layers or cfg.n_routed_experts < full_experts
     info = {"preset": spec["preset"], "n_layers": layers, "n_layers_full": full_layers,
             "reduced": reduced, "n_routed_experts": cfg.n_routed_experts,
             "n_routed_experts_full": full_experts,
             "parameters": sum(p.numel() for p in model.parameters()),
+            "weights": model.weights,
             "note": (f"{spec['preset']} shapes cut to {layers}/{full_layers} layers and "
                      f"{cfg.n_routed_experts}/{full_experts} routed experts (top-"
                      f"{cfg.n_activated_experts} per token unchanged), random weights")
@@ -311,7 +321,23 @@ def add_ratios(rows: list[dict]) -> None:
         r["itl_p50_vs_default"] = round(r["itl_ms_p50"] / base, 4) if base else None
 
 
-def summary_lines(rows: list[dict], errors: list[dict]) -> list[str]:
+def weight_read_rows(spec: dict) -> list[dict]:
+    """``weight_reads.count_decode_step`` for each weight format the config allows."""
+    from dsv4.config import ModelConfig
+    from dsv4.weights.formats import native_problem
+
+    rows = []
+    narrow = native_problem(ModelConfig.preset(spec["preset"]))
+    for weights in ("bf16",) if narrow else ("native", "bf16"):
+        model, _ = build_model({**spec, "weights": weights})
+        with torch.no_grad():
+            rows.append(weight_reads.count_decode_step(model, spec["concurrency"][0],
+                                                       spec["contexts"][0], spec["seed"]))
+    return rows
+
+
+def summary_lines(rows: list[dict], errors: list[dict],
+                  reads: list[dict] = ()) -> list[str]:
     """The figures printed after a run, one line per case (the JSON holds the rest)."""
     width = max([len("config")] + [len(r["config"]) for r in rows])
     lines = [f"{'config':{width}s} {'batch':>5s} {'context':>7s} {'ITL p50 ms':>10s} "
@@ -320,6 +346,11 @@ def summary_lines(rows: list[dict], errors: list[dict]) -> list[str]:
         lines.append(f"{r['config']:{width}s} {r['concurrency']:5d} {r['context_len']:7d} "
                      f"{r['itl_ms_p50']:10.2f} {r['decode_tokens_per_s']:12.1f} "
                      f"{'yes' if r['graph_used'] else 'no'}")
+    for r in reads:
+        lines.append(f"weights {r['weights']}: one decode step (batch {r['concurrency']}, "
+                     f"context {r['context_len']}) reads {r['bytes_read'] / 1e6:.2f} MB of "
+                     f"weights, {r['read_vs_native_active']:.2f}x the native active "
+                     f"{r['native_active_bytes'] / 1e6:.2f} MB")
     for e in errors:
         lines.append(f"error: {e['config']}, concurrency {e['concurrency']}, context "
                      f"{e['context_len']}: {e['error']}")
@@ -335,6 +366,9 @@ def parse_args(argv=None):
                    help="keep only the first N layers (default: 4 for flash/pro, all for tiny)")
     p.add_argument("--experts", type=int, default=None,
                    help="routed experts per MoE layer (default: the preset's)")
+    p.add_argument("--weights", choices=("native", "bf16"), default=None,
+                   help="weight format of the sweep's model (default: native where the config "
+                        "allows it, else bf16)")
     p.add_argument("--concurrency", type=bc.int_list, default=None,
                    help="batch sizes (default 1,2,4,8,16,32,64; quick 1,4)")
     p.add_argument("--contexts", type=bc.int_list, default=None,
@@ -375,9 +409,9 @@ def main(argv=None) -> dict | None:
     if args.worker is not None:
         worker(json.loads(args.worker))
         return None
-    spec = {k: getattr(args, k) for k in ("preset", "layers", "experts", "concurrency",
-                                          "contexts", "new_tokens", "page_size", "seed",
-                                          "threads")}
+    spec = {k: getattr(args, k) for k in ("preset", "layers", "experts", "weights",
+                                          "concurrency", "contexts", "new_tokens", "page_size",
+                                          "seed", "threads")}
     record = bc.new_record("bench_decode", args, {**spec, "configs": [
         c["name"] for c in args.flag_configs]})
     record["configs"] = args.flag_configs
@@ -396,9 +430,10 @@ def main(argv=None) -> dict | None:
     if model is not None:
         model = {k: v for k, v in model.items() if k != "flags"}
     add_ratios(rows)
-    record.update(model=model, results=rows, errors=errors)
+    reads = weight_read_rows(spec)
+    record.update(model=model, results=rows, errors=errors, weight_reads=reads)
     bc.write_json(args.out, record)
-    print("\n".join(summary_lines(rows, errors)))
+    print("\n".join(summary_lines(rows, errors, reads)))
     print(f"wrote {args.out} ({len(rows)} rows, {len(errors)} errors)")
     return record
 

@@ -215,6 +215,8 @@ def test_decode_quick_writes_the_documented_json(tmp_path):
     check_record(record, "bench_decode")
     assert record["errors"] == []
     assert record["model"]["preset"] == "tiny" and record["model"]["reduced"] is False
+    assert record["model"]["weights"] == "bf16"      # tiny is too narrow for 128-wide blocks
+    assert [r["weights"] for r in record["weight_reads"]] == ["bf16"]
     names = [c["name"] for c in record["configs"]]
     assert names == ["default", "DSV4_GRAPH=0", "DSV4_CACHE_SWA_TRANSLATION=0",
                      "DSV4_MULTI_STREAM_PREPARE=1"]
@@ -237,6 +239,32 @@ def test_decode_quick_writes_the_documented_json(tmp_path):
             assert r["forward_syncs"] == 0 and r["step_device_syncs"] == 1, r
         else:
             assert r["step_ops"] is None and r["forward_syncs"] is None
+
+
+WEIGHT_READ_KEYS = {"weights", "concurrency", "context_len", "bytes_read", "native_active_bytes",
+                    "read_vs_native_active"}
+
+
+@pytest.mark.slow
+def test_decode_counts_the_weight_bytes_a_step_reads(tmp_path):
+    """The small preset (the smallest that computes natively): one eager decode step with native
+    weights reads within 15% of the step's native active bytes; with bf16 weights, more."""
+    out = tmp_path / "decode.json"
+    proc = run_script("bench_decode.py", "--preset", "small", "--configs", "DSV4_GRAPH=0",
+                      "--concurrency", "2", "--contexts", "32", "--new-tokens", "3",
+                      "--no-progress", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads(out.read_text())
+    assert record["errors"] == [] and record["model"]["weights"] == "native"
+    native, bf16 = record["weight_reads"]
+    assert set(native) == set(bf16) == WEIGHT_READ_KEYS
+    assert (native["weights"], bf16["weights"]) == ("native", "bf16")
+    assert native["concurrency"] == 2 and native["context_len"] == 32
+    assert abs(native["bytes_read"] / native["native_active_bytes"] - 1) <= 0.15, native
+    assert native["read_vs_native_active"] == round(
+        native["bytes_read"] / native["native_active_bytes"], 4)
+    assert bf16["bytes_read"] > 1.2 * native["bytes_read"], (bf16, native)
+    assert "weights native: one decode step (batch 2, context 32) reads " in proc.stdout
 
 
 # ---- summary, plots, sweep ------------------------------------------------------------------
