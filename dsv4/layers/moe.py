@@ -127,10 +127,11 @@ class RoutedExperts(nn.Module):
                 self.register_parameter(name, nn.Parameter(torch.empty(n_experts, n, k,
                                                                        dtype=dtype, device=device)))
         self._register_state_dict_hook(_per_expert_entries)
-        self._register_load_state_dict_pre_hook(_stacked_entries)
+        self._register_load_state_dict_pre_hook(_stacked_entries, with_module=True)
 
     def entries(self):
-        """(parameter name, per-expert leaf) pairs: ("w1", "weight"), ("w1_scale", "scale")..."""
+        """(stacked parameter, per-expert state-dict suffix) pairs: ("w1", "w1.weight"), and
+        when native ("w1_scale", "w1.scale"), ..."""
         leaves = (("", "weight"), ("_scale", "scale")) if self.native else (("", "weight"),)
         return [(name + suffix, f"{name}.{leaf}") for name in self.PROJECTIONS
                 for suffix, leaf in leaves]
@@ -143,11 +144,9 @@ def _per_expert_entries(module: RoutedExperts, state_dict, prefix, local_metadat
             state_dict[f"{prefix}{e}.{leaf}"] = stacked[e]
 
 
-def _stacked_entries(state_dict, prefix, *args) -> None:
+def _stacked_entries(module: RoutedExperts, state_dict, prefix, *args) -> None:
     """load_state_dict: gather the per-expert entries into the stacked ones."""
-    for param, leaf in (("w1", "w1.weight"), ("w2", "w2.weight"), ("w3", "w3.weight"),
-                        ("w1_scale", "w1.scale"), ("w2_scale", "w2.scale"),
-                        ("w3_scale", "w3.scale")):
+    for param, leaf in module.entries():
         keys = [k for k in state_dict if k.startswith(prefix) and k.endswith(f".{leaf}")
                 and k[len(prefix):].split(".")[0].isdigit()]
         if keys:

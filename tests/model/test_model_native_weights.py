@@ -200,3 +200,15 @@ def test_scales_that_are_not_powers_of_two_are_refused_naming_the_tensor(tmp_pat
     with pytest.raises(ValueError, match=r"layers\.0\.attn\.wkv\.weight.*weights='bf16'"):
         load_model(tmp_path, options=Options(), weights="native")
     load_model(tmp_path, options=Options(), weights="bf16")      # dequantized: fine
+
+
+def test_state_dict_round_trip_of_a_native_model(small):
+    """Per-expert ``{e}.w1.weight`` / ``{e}.w1.scale`` entries gather back into the stacked
+    packed weights and scales."""
+    a = init_random_weights(DeepseekV4Model(small, weights="native"), SEED)
+    b = DeepseekV4Model(small, weights="native")
+    b.load_state_dict(a.state_dict())
+    assert torch.equal(b.layers[2].ffn.experts.w2_scale.view(torch.uint8),
+                       a.layers[2].ffn.experts.w2_scale.view(torch.uint8))
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(as_bytes(x), as_bytes(y)), name
