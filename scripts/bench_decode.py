@@ -30,7 +30,9 @@ Output JSON (beyond bench_common's record keys):
   "model": preset, n_layers, n_layers_full, reduced, n_routed_experts, n_routed_experts_full,
       parameters, weights, note
   "weight_reads": one row per weight format: weights, concurrency, context_len, bytes_read,
-      native_active_bytes, read_vs_native_active
+      native_active_bytes, read_vs_native_active, floor_ms (native active bytes at the device's
+      peak HBM bandwidth: the step time no kernel can beat; null on a CPU or an unknown GPU;
+      compare the default configuration's itl_ms_p50 of the same batch and context)
   "configs": [{"name", "env"}]; "notes": caveats of this run
   "results": one row per (config, concurrency, context_len): config, env, concurrency,
       context_len, new_tokens, decode_steps, itl_ms_p50, itl_ms_p90, itl_ms_mean, prefill_ms,
@@ -67,6 +69,7 @@ import torch
 
 import bench_common as bc
 import weight_reads
+from bench_set_kv import peak_hbm_bytes_per_s
 
 FLAG_FLIPS = (("DSV4_GRAPH", "0"), ("DSV4_CACHE_SWA_TRANSLATION", "0"),
               ("DSV4_MULTI_STREAM_PREPARE", "1"))
@@ -328,11 +331,15 @@ def weight_read_rows(spec: dict) -> list[dict]:
 
     rows = []
     narrow = native_problem(ModelConfig.preset(spec["preset"]))
+    peak = peak_hbm_bytes_per_s()
     for weights in ("bf16",) if narrow else ("native", "bf16"):
         model, _ = build_model({**spec, "weights": weights})
         with torch.no_grad():
-            rows.append(weight_reads.count_decode_step(model, spec["concurrency"][0],
-                                                       spec["contexts"][0], spec["seed"]))
+            row = weight_reads.count_decode_step(model, spec["concurrency"][0],
+                                                 spec["contexts"][0], spec["seed"])
+        row["floor_ms"] = round(row["native_active_bytes"] / peak * 1e3, 4) if peak else None
+        rows.append(row)
+        del model
     return rows
 
 
@@ -350,7 +357,9 @@ def summary_lines(rows: list[dict], errors: list[dict],
         lines.append(f"weights {r['weights']}: one decode step (batch {r['concurrency']}, "
                      f"context {r['context_len']}) reads {r['bytes_read'] / 1e6:.2f} MB of "
                      f"weights, {r['read_vs_native_active']:.2f}x the native active "
-                     f"{r['native_active_bytes'] / 1e6:.2f} MB")
+                     f"{r['native_active_bytes'] / 1e6:.2f} MB" + (
+                         f" (floor at peak HBM bandwidth: {r['floor_ms']} ms)" if r["floor_ms"]
+                         else ""))
     for e in errors:
         lines.append(f"error: {e['config']}, concurrency {e['concurrency']}, context "
                      f"{e['context_len']}: {e['error']}")
