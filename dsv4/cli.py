@@ -71,13 +71,15 @@ def build_parser() -> argparse.ArgumentParser:
                      help="print the markdown table of docs/flags.md instead")
     env.set_defaults(func=_cmd_env)
     gen = sub.add_parser("generate", parents=[common],
-                         help="generate tokens and report prefill and decode speed (default: tiny "
-                         "preset, seeded random weights and prompts)")
+                         help="generate tokens and report prefill and decode speed (default: small "
+                         "preset, seeded random weights in the published formats, random "
+                         "prompts)")
     src = gen.add_argument_group("model")
     src.add_argument("--model-path", help="checkpoint directory: config.json, *.safetensors and, "
                      "for text, tokenizer.json (default: random weights)")
-    src.add_argument("--preset", default="tiny", help="preset for random weights: tiny, small, "
-                     "flash or pro (default tiny)")
+    src.add_argument("--preset", default="small", help="preset for random weights: small (the "
+                     "smallest that runs the published FP8/FP4 formats), tiny (bf16 only), flash "
+                     "or pro (default small)")
     src.add_argument("--weights", choices=("native", "bf16"), default=None,
                      help="native: hold and compute with the published FP8/FP4 formats; bf16: "
                      "every quantized weight dequantized to bf16 (default native where the "
@@ -112,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--graph", action=argparse.BooleanOptionalAction, default=None,
                      help="capture and replay decode graphs (default: DSV4_GRAPH)")
     run.add_argument("--threads", type=int, default=0,
-                     help="torch CPU threads (default: 1 on a CPU, where the tiny model's ops "
+                     help="torch CPU threads (default: 1 on a CPU, where the small presets' ops "
                      "are too small to share)")
     run.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=None,
                      help="reuse the KV of cached prompt prefixes (default: DSV4_PREFIX_CACHE)")

@@ -36,8 +36,9 @@ def finish(proc, rc=0):
 
 
 def generate(*args):
-    out, err = finish(cli("generate", "--json", "--batch", "3", "--prompt-len", "16",
-                          "--max-new-tokens", "5", *args))
+    """A short run of the tiny preset (the fastest); ARGS come last and may name another."""
+    out, err = finish(cli("generate", "--json", "--preset", "tiny", "--batch", "3",
+                          "--prompt-len", "16", "--max-new-tokens", "5", *args))
     lines = out.strip().splitlines()
     return lines[:-1], json.loads(lines[-1]), err
 
@@ -74,21 +75,18 @@ def test_generate_reports_prefill_decode_and_pool_usage(graph):
     assert f"weights: bf16 ({r['weights_reason']})" in text
 
 
-def test_small_preset_runs_the_published_formats_by_default():
-    text, r, _ = generate("--preset", "small", "--no-graph", "--max-new-tokens", "3")
-    assert r["weights"] == "native" and r["decode_steps"] == 2
-    assert "weights: native (default: the published FP8/FP4 formats)" in text
-
-
 def test_readme_main_command_prints_the_engines_tokens(one_thread):
-    """The README's main command (defaults: tiny preset, seed 0, 4 random prompts of 32 ids,
-    16 new tokens, graphs) prints the tokens the engine generates for the same inputs."""
+    """The README's main command (defaults: small preset in the published formats, seed 0, 4
+    random prompts of 32 ids, 16 new tokens, graphs) prints the tokens the engine generates for
+    the same inputs."""
+    from dsv4 import DeepseekV4Model, init_random_weights
     from dsv4.engine import Engine
-    from tiny_model import tiny_model
 
     out, _ = finish(cli("generate"))
+    assert "weights: native (default: the published FP8/FP4 formats)" in out
     got = printed_tokens(out.splitlines())
-    model = tiny_model(max_seq_len=48, seed=0)
+    model = init_random_weights(DeepseekV4Model(ModelConfig.preset("small"), max_seq_len=48,
+                                                weights="native"), seed=0)
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(2, model.config.vocab_size, (4, 32), generator=g).tolist()
     engine = Engine(model, max_batch=4, max_context_len=48,
@@ -108,14 +106,15 @@ def test_one_new_token_has_no_decode_step():
 def test_prompts_and_sampling(tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("5,6,7\n\n8, 9\n")
+    tiny = ("generate", "--json", "--preset", "tiny", "--no-graph")
     runs = {
-        "ids": cli("generate", "--json", "--no-graph", "--prompt-ids", "3,4,5,6", "--ignore-eos"),
-        "file": cli("generate", "--json", "--no-graph", "--prompt-file", str(prompts)),
-        "greedy": cli("generate", "--json", "--no-graph", "--batch", "2", "--ignore-eos"),
-        "sampled": cli("generate", "--json", "--no-graph", "--batch", "2", "--ignore-eos",
-                       "--temperature", "1.5", "--top-k", "50", "--top-p", "0.9", "--seed", "3"),
-        "again": cli("generate", "--json", "--no-graph", "--batch", "2", "--ignore-eos",
-                     "--temperature", "1.5", "--top-k", "50", "--top-p", "0.9", "--seed", "3"),
+        "ids": cli(*tiny, "--prompt-ids", "3,4,5,6", "--ignore-eos"),
+        "file": cli(*tiny, "--prompt-file", str(prompts)),
+        "greedy": cli(*tiny, "--batch", "2", "--ignore-eos"),
+        "sampled": cli(*tiny, "--batch", "2", "--ignore-eos", "--temperature", "1.5", "--top-k",
+                       "50", "--top-p", "0.9", "--seed", "3"),
+        "again": cli(*tiny, "--batch", "2", "--ignore-eos", "--temperature", "1.5", "--top-k",
+                     "50", "--top-p", "0.9", "--seed", "3"),
     }
     r = {k: json.loads(finish(p)[0].strip().splitlines()[-1])["tokens"] for k, p in runs.items()}
     assert len(r["ids"]) == 1 and len(r["ids"][0]) == 16
@@ -153,7 +152,7 @@ ERRORS = {  # arguments (and environment) -> the one line expected on stderr
     "too large": (["--preset", "flash"], {}, "error: this run needs about 148."),
     "too large in bf16": (["--preset", "flash", "--weights", "bf16"], {},
                           "error: this run needs about 531."),
-    "too narrow for native": (["--weights", "native"], {},
+    "too narrow for native": (["--preset", "tiny", "--weights", "native"], {},
                               "error: --weights native: the FP8/FP4 linears need input dims that "
                               "are multiples of 128; this config has dim=64, q_lora_rank=32, "
                               "o_groups*o_lora_rank=64, moe_inter_dim=32; use --weights bf16"),
