@@ -162,10 +162,8 @@ def print_report(r: dict, n_prompts: int, tokenizer, model_path: str | None = No
               f"({p['prefix_hit_rate']:.1%}); {same}")
 
 
-def _check_fits(args, config, prompts: list[list[int]], device, weights: str) -> int:
-    """The run's context length, once the prompts are known to fit the model's positions and the
-    estimate (weights held as ``weights``) fits the device (nothing is allocated before this)."""
-    from .memory_estimate import available_bytes, estimate, shortfall
+def _context_len(args, prompts: list[list[int]]) -> int:
+    """The run's context length, once the prompts are known to fit the model's positions."""
     from .model import DeepseekV4Model
 
     context_len = max(map(len, prompts)) + args.max_new_tokens
@@ -175,16 +173,26 @@ def _check_fits(args, config, prompts: list[list[int]], device, weights: str) ->
             raise UsageError(f"a prompt of {max(map(len, prompts))} tokens plus "
                              f"--max-new-tokens {args.max_new_tokens} needs {context_len} "
                              f"positions; this model covers {positions}")
+    return context_len
+
+
+def _check_fits(args, config, prompts: list[list[int]], context_len: int, device,
+                weights: str) -> None:
+    """Refuse a run whose estimate (weights held as ``weights``) exceeds the device (nothing is
+    allocated before this)."""
+    from .memory_estimate import available_bytes, estimate, shortfall
+
     need = estimate(config, len(prompts), context_len, prompt_tokens=sum(map(len, prompts)),
                     weights=weights)
     problem = shortfall(need, available_bytes(device), str(device))
     if problem and not args.force:
         raise UsageError(problem)
-    return context_len
 
 
 def weight_format(args, config) -> tuple[str, str]:
-    """The format the run holds its weights in ("native" or "bf16") and why."""
+    """The format the run holds its weights in ("native" or "bf16") and why: by default native
+    where the config allows it, for a checkpoint only when it stores quantized weights (as
+    ``load_model`` chooses)."""
     from .weights.formats import native_problem
 
     problem = native_problem(config)
@@ -194,7 +202,16 @@ def weight_format(args, config) -> tuple[str, str]:
         return args.weights, f"--weights {args.weights}"
     if problem:
         return "bf16", f"default; native cannot run: {problem}"
+    if args.model_path and not _stores_quantized(Path(args.model_path)):
+        return "bf16", "default for a checkpoint of unquantized weights"
     return "native", "default: the published FP8/FP4 formats"
+
+
+def _stores_quantized(path: Path) -> bool:
+    from .weights.loader import checkpoint_files, read_headers
+    from .weights.names import to_reference
+
+    return any(to_reference(name)[1] for name in read_headers(checkpoint_files(path)))
 
 
 def _config(args):
@@ -254,8 +271,9 @@ def run(args) -> int:
     config = _config(args)
     tokenizer = load_tokenizer(args.model_path)
     prompts = prompts_from_args(args, tokenizer, config.vocab_size)
+    context_len = _context_len(args, prompts)
     weights, why = weight_format(args, config)
-    context_len = _check_fits(args, config, prompts, device, weights)
+    _check_fits(args, config, prompts, context_len, device, weights)
     options = Options.from_env()          # the DSV4_* flags, read once for the model and engine
     with bar("loading weights") as b:
         model = _model(args, config, weights, context_len, device, lambda: b.update(), options)

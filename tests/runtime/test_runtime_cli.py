@@ -231,6 +231,23 @@ def test_unknown_config_keys_are_one_warning_line(tmp_path, capsys, flag_env, no
     assert len(err) == 2 and err[1].startswith("error: a prompt of 3 tokens")
 
 
+def test_a_checkpoints_default_weights_follow_what_it_stores(tmp_path):
+    """As load_model chooses: native for quantized tensors (where the dims allow), else bf16."""
+    from dsv4.cli_generate import weight_format
+
+    small = ModelConfig.preset("small")
+    plain = save_random_checkpoint(small, tmp_path / "plain", quantize=False, shards=1)
+    quantized = save_random_checkpoint(small, tmp_path / "quantized", shards=1)
+
+    def args(path, weights=None):
+        return argparse.Namespace(model_path=str(path), weights=weights)
+
+    assert weight_format(args(plain), small) == (
+        "bf16", "default for a checkpoint of unquantized weights")
+    assert weight_format(args(quantized), small)[0] == "native"
+    assert weight_format(args(plain, "native"), small) == ("native", "--weights native")
+
+
 def test_the_prefill_is_part_of_the_memory_estimate():
     from dsv4.memory_estimate import PREFILL_BYTES_PER_ROW, estimate
 
