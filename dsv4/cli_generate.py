@@ -208,10 +208,9 @@ def weight_format(args, config) -> tuple[str, str]:
 
 
 def _stores_quantized(path: Path) -> bool:
-    from .weights.loader import checkpoint_files, read_headers
-    from .weights.names import to_reference
+    from .weights.loader import checkpoint_files, read_headers, stores_quantized
 
-    return any(to_reference(name)[1] for name in read_headers(checkpoint_files(path)))
+    return stores_quantized(read_headers(checkpoint_files(path)))
 
 
 def _config(args):

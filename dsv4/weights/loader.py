@@ -82,6 +82,11 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
+def stores_quantized(stored: dict[str, Stored]) -> bool:
+    """Whether a checkpoint (its headers) holds quantized tensors: a scale beside a weight."""
+    return any(to_reference(name)[1] for name in stored)
+
+
 def read_headers(files: list[Path]) -> dict[str, Stored]:
     stored: dict[str, Stored] = {}
     for file in files:
@@ -254,8 +259,8 @@ def load_model(path, device="cpu", dtype: torch.dtype = torch.bfloat16, on_tenso
     stored = read_headers(files)
 
     if weights is None:
-        quantized = any(to_reference(name)[1] for name in stored)
-        weights = "native" if quantized and not native_problem(config) else "bf16"
+        native = stores_quantized(stored) and not native_problem(config)
+        weights = "native" if native else "bf16"
     model = DeepseekV4Model(config, dtype=dtype, device=device, options=options, weights=weights)
     targets = model.state_dict()
     scales = {name[:-len("weight")] + "scale": name for name in targets
