@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 from hip_kernels import KernelOptions, kv_layout as L, set_kv  # noqa: E402
 from hip_kernels import decode_attention as A  # noqa: E402
 from hip_kernels.platform import default_device  # noqa: E402
+from op_recorder import op_names  # noqa: E402
 from triton_interp_shim import interpreter_shim  # noqa: E402,F401 (autouse fixture)
 
 DEV = default_device()
@@ -149,19 +150,9 @@ def test_the_torch_path_is_the_models_math():
 
 
 def test_one_dispatcher_op_per_call(flag_env):
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    seen = []
-
-    class Names(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            seen.append(f"{func.namespace}::{func.overloadpacket.__name__}")
-            return func(*args, **(kwargs or {}))
-
     args = case(2, 2, 4, 8, 5)
-    with Names():
-        A.sparse_decode_attention(**args, reference=True)
-    assert seen == ["dsv4::sparse_decode_attention"]
+    assert op_names(lambda: A.sparse_decode_attention(**args, reference=True)) == [
+        "dsv4::sparse_decode_attention"]
 
 
 def test_the_meta_implementation_gives_the_shape():

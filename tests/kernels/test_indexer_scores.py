@@ -23,6 +23,7 @@ from hip_kernels import kv_layout as L  # noqa: E402
 from hip_kernels.indexer_scores import indexer_scores, indexer_scores_ref  # noqa: E402
 from hip_kernels.backend import BackendUnavailable  # noqa: E402
 from hip_kernels.platform import default_device  # noqa: E402
+from op_recorder import recorded_calls  # noqa: E402
 from triton_interp_shim import interpreter_shim  # noqa: E402,F401 (autouse fixture)
 
 PAGE = 16
@@ -69,22 +70,6 @@ def both_backends(flag_env, dialect, *args):
         assert used == backend
         out[backend] = scores.cpu()
     return out["torch"], out["triton"]
-
-
-def recorded_calls(fn) -> list:
-    """(op name, args) of every dispatcher op fn() runs."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    seen = []
-
-    class Record(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            seen.append((f"{func.namespace}::{func.overloadpacket.__name__}", args))
-            return func(*args, **(kwargs or {}))
-
-    with Record():
-        fn()
-    return seen
 
 
 def run_recorded(*args, **kwargs) -> tuple:

@@ -9,6 +9,7 @@ pytest.importorskip("triton")
 from hip_kernels import KernelOptions, mhc_split  # noqa: E402
 from hip_kernels.backend import BackendUnavailable  # noqa: E402
 from hip_kernels.platform import default_device  # noqa: E402
+from op_recorder import recorded_calls  # noqa: E402
 
 DEV = default_device()   # the GPU where there is one (Triton compiled), else the CPU (interpreted)
 
@@ -43,22 +44,6 @@ def test_the_columns_end_normalised():
     mixes, scale, base = inputs(8, seed=3)
     _, _, comb = torch.ops.dsv4.hc_split(mixes, scale, base, HC, ITERS, EPS, True, "triton")
     torch.testing.assert_close(comb.sum(-2).cpu(), torch.ones(8, HC), atol=1e-5, rtol=0)
-
-
-def recorded_calls(fn) -> list:
-    """(op name, args) of every dispatcher op fn() runs."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    seen = []
-
-    class Record(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            seen.append((f"{func.namespace}::{func.overloadpacket.__name__}", args))
-            return func(*args, **(kwargs or {}))
-
-    with Record():
-        fn()
-    return seen
 
 
 def test_one_dispatcher_op_per_call():

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("triton")
 
@@ -28,6 +27,7 @@ from hip_kernels import (KernelOptions, act_quant, fp4_grouped_linear,  # noqa: 
 from hip_kernels import quant_linear_ref as R  # noqa: E402
 from hip_kernels.library import ops  # noqa: E402
 from hip_kernels.platform import FNUZ, OCP  # noqa: E402
+from op_recorder import op_names  # noqa: E402
 from triton_interp_shim import interpreter_shim  # noqa: E402,F401 (autouse fixture)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -273,16 +273,6 @@ def test_offs_past_the_rows_never_leave_them_without_value_checks():
 
 # ---- dispatcher, Meta, errors -------------------------------------------------------------
 
-class TopLevelOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(f"{func.namespace}::{func.overloadpacket.__name__}")
-        return func(*args, **(kwargs or {}))
-
-
 def small_args(g):
     return {"fp8_linear": (rows(g, 2, 128), fp8_weight(g, 64, 128), e8m0(g, 1, 1)),
             "fp8_grouped_linear": (rows(g, 2, 128), fp8_weight(g, 2, 64, 128), e8m0(g, 2, 1, 1),
@@ -296,10 +286,7 @@ def test_each_call_is_one_dispatcher_op(options):
     fns = {"fp8_linear": fp8_linear, "fp8_grouped_linear": fp8_grouped_linear,
            "fp4_grouped_linear": fp4_grouped_linear}
     for name, args in small_args(gen(8)).items():
-        mode = TopLevelOps()
-        with mode:
-            fns[name](*args, options=options)
-        assert mode.names == [f"dsv4::{name}"]
+        assert op_names(lambda: fns[name](*args, options=options)) == [f"dsv4::{name}"]
 
 
 def test_meta_tensors_give_the_output_shape():

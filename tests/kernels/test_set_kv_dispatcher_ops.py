@@ -3,28 +3,18 @@ a GPU launches once is one node for graph capture, torch.compile and the op coun
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import hip_kernels
 from hip_kernels.set_kv_ops import SCHEMAS, ops
 from hip_kernels import set_kv_ref as R
 from hip_kernels.platform import fp8_dialect
 from kv_inputs import clone_args, norm_rope_args, same_bytes
+from op_recorder import op_names
 
 try:
     from triton_interp_shim import interpreter_shim  # noqa: F401 (autouse fixture)
 except ImportError:                                   # no triton: its case is skipped
     pass
-
-
-class TopLevelOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(f"{func.namespace}::{func.overloadpacket.__name__}")
-        return func(*args, **(kwargs or {}))
 
 
 def test_every_set_kv_op_is_registered_with_its_mutated_arguments():
@@ -45,11 +35,9 @@ def test_a_store_is_one_dispatcher_op_and_writes_the_reference_bytes(backend):
     args = norm_rope_args(seed=4, n=5, page_size=4, pages=3, heads=2)
     want = clone_args(args)
     R.fused_k_norm_rope_store(**want, dialect=fp8_dialect())
-    mode = TopLevelOps()
-    with mode:
-        hip_kernels.fused_k_norm_rope_store(
-            **args, options=hip_kernels.KernelOptions(backend=backend, value_checks=False))
-    assert mode.names == ["dsv4::fused_k_norm_rope_store"]
+    options = hip_kernels.KernelOptions(backend=backend, value_checks=False)
+    names = op_names(lambda: hip_kernels.fused_k_norm_rope_store(**args, options=options))
+    assert names == ["dsv4::fused_k_norm_rope_store"]
     assert same_bytes(args["cache"], want["cache"]) and same_bytes(args["q"], want["q"])
 
 
