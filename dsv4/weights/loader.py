@@ -259,8 +259,8 @@ def load_model(path, device="cpu", dtype: torch.dtype = torch.bfloat16, on_tenso
     stored = read_headers(files)
 
     if weights is None:
-        native = stores_quantized(stored) and not native_problem(config)
-        weights = "native" if native else "bf16"
+        weights = ("native" if stores_quantized(stored) and not native_problem(config)
+                   else "bf16")
     model = DeepseekV4Model(config, dtype=dtype, device=device, options=options, weights=weights)
     targets = model.state_dict()
     scales = {name[:-len("weight")] + "scale": name for name in targets
