@@ -372,5 +372,16 @@ def write_json(path: str | os.PathLike, record: dict) -> Path:
     return path
 
 
+def write_kernel_record(path: str | os.PathLike, record: dict, skipped: dict[str, str]) -> Path:
+    """Write a kernel benchmark's record, then say which backends it skipped and why, and its
+    notes (one line each), before the script prints its table."""
+    written = write_json(path, record)
+    for backend, reason in skipped.items():
+        print(f"skipped {backend}: {reason}")
+    for note in record["notes"]:
+        print(f"note: {note}")
+    return written
+
+
 if __name__ == "__main__":  # the environment record alone, as JSON (used by mi300_sweep.sh)
     print(json.dumps(environment(), indent=1))

@@ -177,11 +177,7 @@ def main(argv=None) -> dict:
             rows.append(measure(*case, args))
             bar.update()
     record["results"] = rows
-    bc.write_json(args.out, record)
-    for backend, reason in skipped.items():
-        print(f"skipped {backend}: {reason}")
-    for note in record["notes"]:
-        print(f"note: {note}")
+    bc.write_kernel_record(args.out, record, skipped)
     print(f"{'op':24s} {'numerics':9s} {'backend':7s} {'batch':>5s} {'p50 us':>10s} "
           f"{'GB/s':>9s} {'HBM':>6s} {'max diff':>9s}")
     for r in rows:

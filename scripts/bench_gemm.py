@@ -166,11 +166,7 @@ def main(argv=None) -> dict:
             rows += measure(*case, backends, args)
             bar.update()
     record["results"] = rows
-    bc.write_json(args.out, record)
-    for backend, reason in skipped.items():
-        print(f"skipped {backend}: {reason}")
-    for note in record["notes"]:
-        print(f"note: {note}")
+    bc.write_kernel_record(args.out, record, skipped)
     print(f"{'model':6s} {'layer':11s} {'backend':7s} {'M':>3s} {'K':>6s} {'N':>6s} "
           f"{'p50 us':>10s} {'GB/s':>9s} {'HBM':>6s} {'max diff':>9s}")
     for r in rows:

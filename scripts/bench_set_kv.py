@@ -205,11 +205,7 @@ def main(argv=None) -> dict:
             rows.append(measure(backend, op, n, args))
             bar.update()
     record["results"] = rows
-    bc.write_json(args.out, record)
-    for backend, reason in skipped.items():
-        print(f"skipped {backend}: {reason}")
-    for note in record["notes"]:
-        print(f"note: {note}")
+    bc.write_kernel_record(args.out, record, skipped)
     print(f"{'op':34s} {'backend':7s} {'n':>4s} {'p50 us':>10s} {'GB/s':>9s} {'HBM':>6s} ok")
     for r in rows:
         hbm = f"{r['hbm_fraction']:.1%}" if r["hbm_fraction"] is not None else "-"
