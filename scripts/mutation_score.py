@@ -3,7 +3,7 @@
 Run by hand, never in CI. Needs mutmut at the version pinned in requirements/mutation.txt:
 
     pip install -r requirements/mutation.txt
-    python scripts/mutation_score.py --sample 35 --seed 0
+    python scripts/mutation_score.py --sample 35 --seeds 2,3
 
 How it works. mutmut (configured in pyproject.toml, [tool.mutmut]) copies the three packages
 into ./mutants with every mutant of every function compiled in beside the original, plus the
@@ -12,12 +12,15 @@ tests and the files they read (scripts/, README.md, docs/, requirements/), and r
 function (kept in ./mutants and reused while the code and these options stay the same). Each
 sampled mutant then runs in a fresh process with only the tests that call its function,
 fastest first, stopping at the first failure. The sample is drawn per package from all of the
-package's mutants with a fixed seed: the same seed gives the same mutants.
+package's mutants with a fixed seed: the same seed gives the same mutants. Several seeds
+(--seeds 2,3) draw one sample each; their mutants are checked in one mutmut run (a mutant in two
+samples is checked once), and the report shows the seeds together and each seed alone.
 
 What a run prints: one row per package (mutants run, killed, survived, no tests, timeout,
-suspicious, score), then the names of the surviving mutants; --diff prints each survivor's
-diff as well, and `mutmut show NAME` prints one later. --report-only prints the table of the
-last run again.
+suspicious, score) over all the seeds' samples (a mutant drawn by two seeds counts once), one
+row per package and seed, then the names of the surviving mutants; --diff prints each
+survivor's diff as well, and `mutmut show NAME` prints one later. --report-only prints the
+tables again for the given seeds, from the checks already done in ./mutants.
   killed      a test failed with the mutant in place
   survived    every test that calls the function passed
   no tests    no test calls the function in the pytest process (e.g. GPU-only code, or code
@@ -43,7 +46,6 @@ import argparse
 import contextlib
 import importlib.metadata
 import io
-import json
 import os
 import random
 import re
@@ -54,7 +56,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("hip_kernels", "mem_pool", "dsv4")
 PIN_FILE = ROOT / "requirements" / "mutation.txt"
-SAMPLE_FILE = Path("mutants") / "mutation_sample.json"
 
 # Node id prefixes of the tests that start Python subprocesses (deselected unless
 # --keep-subprocess-tests).
@@ -84,6 +85,16 @@ SUBPROCESS_TESTS = (
 COLUMNS = ("run", "killed", "survived", "no tests", "timeout", "suspicious")
 
 
+def seed_list(text):
+    """'2,3' -> [2, 3]: the seeds in the order given, each once."""
+    try:
+        seeds = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--seeds: expected integers separated by commas (e.g. 2,3), got {text!r}") from None
+    return list(dict.fromkeys(seeds))
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -92,7 +103,9 @@ def parse_args(argv):
     parser.add_argument("--sample", type=int, default=35, metavar="N",
                         help="mutants drawn per package (default 35; 0 = every mutant, "
                              "which takes days on a CPU)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the sample (default 0)")
+    parser.add_argument("--seeds", type=seed_list, default=[0], metavar="S[,S...]",
+                        help="seeds of the samples, comma-separated, e.g. 2,3 (default 0); "
+                             "--seed 2 is the same as --seeds 2")
     parser.add_argument("--timeout", type=float, default=60.0, metavar="S",
                         help="seconds a mutant's tests may take beyond their unmutated time, "
                              "before the factor (default 60)")
@@ -105,7 +118,8 @@ def parse_args(argv):
                         help="also run the tests that start subprocesses (see above)")
     parser.add_argument("--diff", action="store_true", help="print each survivor's diff")
     parser.add_argument("--report-only", action="store_true",
-                        help="run nothing; print the table of the last run's sample")
+                        help="run nothing; print the tables of these seeds' samples from "
+                             "the checks already done")
     return parser.parse_args(argv)
 
 
@@ -226,33 +240,62 @@ def percent(part, whole):
     return f"{100 * part / whole:.0f}%" if whole else "-"
 
 
-def print_report(sample, show_diff):
+def tally(names, status):
+    """{package: Counter of the COLUMNS} over `names` (each counted once), packages in the
+    order they first appear."""
+    counts = {}
+    for name in dict.fromkeys(names):
+        c = counts.setdefault(package_of(name), Counter())
+        c["run"] += 1
+        c[column_of(status[name])] += 1
+    return counts
+
+
+def table(rows):
+    """The lines of a table of (label, Counter) rows: the COLUMNS, then the score (killed +
+    timeout over run) and the tested score (the same over run less no tests)."""
+    width = max([12, *(len(label) + 1 for label, _ in rows)])
+    header = f"{'package':{width}s}" + "".join(f"{c:>11s}" for c in COLUMNS)
+    header += "      score     tested"
+    lines = [header, "-" * len(header)]
+    for label, c in rows:
+        caught = c["killed"] + c["timeout"]
+        tested = c["run"] - c["no tests"]
+        lines.append(f"{label:{width}s}" + "".join(f"{c[col]:11d}" for col in COLUMNS)
+                     + f"{percent(caught, c['run']):>11s}{percent(caught, tested):>11s}")
+    return lines
+
+
+def report_tables(samples, status):
+    """The report's tables for {seed: sample}: all the seeds together, then (with more than one
+    seed) each package under each seed."""
+    every = [name for sample in samples.values() for name in sample]
+    seeds = ", ".join(str(seed) for seed in samples)
+    lines = [f"seeds {seeds} together ({len(set(every))} mutants)",
+             *table(tally(every, status).items())]
+    if len(samples) > 1:
+        rows = [(f"{package} seed {seed}", c)
+                for seed, sample in samples.items()
+                for package, c in tally(sample, status).items()]
+        lines += ["", "each seed", *table(rows)]
+    return lines
+
+
+def print_report(samples, show_diff):
     from mutmut.mutation.diff_apply import find_mutant, get_diff_for_mutant
     from mutmut.stats import status_by_exit_code
 
     codes = exit_codes()
-    status = {name: status_by_exit_code[codes.get(name)] for name in sample}
-    packages = list(dict.fromkeys(package_of(n) for n in sample))
-    counts = {p: Counter() for p in packages}
-    for name in sample:
-        counts[package_of(name)]["run"] += 1
-        counts[package_of(name)][column_of(status[name])] += 1
-
-    header = f"{'package':12s}" + "".join(f"{c:>11s}" for c in COLUMNS) + "      score     tested"
-    print("\n" + header + "\n" + "-" * len(header))
-    for package in packages:
-        c = counts[package]
-        caught = c["killed"] + c["timeout"]
-        tested = c["run"] - c["no tests"]
-        row = f"{package:12s}" + "".join(f"{c[col]:11d}" for col in COLUMNS)
-        print(row + f"{percent(caught, c['run']):>11s}{percent(caught, tested):>11s}")
-    unchecked = [n for n in sample if status[n] == "not checked"]
+    every = list(dict.fromkeys(name for sample in samples.values() for name in sample))
+    status = {name: status_by_exit_code[codes.get(name)] for name in every}
+    print("\n" + "\n".join(report_tables(samples, status)))
+    unchecked = [n for n in every if status[n] == "not checked"]
     if unchecked:
         print(f"\n{len(unchecked)} mutants were never checked (run interrupted?); "
               "they count as suspicious")
 
     for label in ("survived", "no tests", "timeout", "suspicious"):
-        names = [n for n in sample if column_of(status[n]) == label]
+        names = [n for n in every if column_of(status[n]) == label]
         if not names:
             continue
         print(f"\n{label} ({len(names)}):")
@@ -271,17 +314,18 @@ def main(argv=None):
     os.chdir(ROOT)
     configure(args)
     if args.report_only:
-        if not SAMPLE_FILE.exists():
-            sys.exit(f"no earlier run: {SAMPLE_FILE} is missing")
-        print_report(json.loads(SAMPLE_FILE.read_text())["mutants"], args.diff)
-        return
-
-    generate_mutants(args.jobs)
-    sample = draw_sample(exit_codes(), args.packages, args.sample, args.seed)
-    SAMPLE_FILE.write_text(json.dumps({"seed": args.seed, "mutants": sample}, indent=1))
-    print(f"{len(sample)} mutants sampled (seed {args.seed}) from {', '.join(args.packages)}")
-    run_mutmut(sample, args.jobs)
-    print_report(sample, args.diff)
+        if not Path("mutants").is_dir():
+            sys.exit("no earlier run: ./mutants is missing")
+    else:
+        generate_mutants(args.jobs)
+    names = exit_codes()
+    samples = {seed: draw_sample(names, args.packages, args.sample, seed) for seed in args.seeds}
+    if not args.report_only:
+        every = list(dict.fromkeys(name for sample in samples.values() for name in sample))
+        print(f"{len(every)} mutants sampled (seeds {', '.join(map(str, args.seeds))}) "
+              f"from {', '.join(args.packages)}")
+        run_mutmut(every, args.jobs)
+    print_report(samples, args.diff)
 
 
 if __name__ == "__main__":
