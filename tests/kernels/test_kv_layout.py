@@ -168,3 +168,23 @@ def test_bad_input_of_the_other_ops(flag_env, backend):
         with pytest.raises(exc, match=message):
             call()
     assert bool((cache == SENTINEL).all()) and bool((icache == SENTINEL).all())
+
+
+def test_reads_through_a_strided_view_see_each_page_where_it_lies():
+    """A cache handed over as a view with pages further apart than page_bytes (a host engine's
+    slice of a bigger buffer) reads back the bytes of the same pages stored contiguously, both
+    as raw bytes and as dequantized rows."""
+    p, pages, gap = 4, 3, 40
+    used = L.page_bytes(p)
+    buffer = torch.randint(0, 120, (pages, used + gap), generator=gen(3), dtype=torch.uint8)
+    strided = buffer[:, :used]
+    assert not strided.is_contiguous()
+    contiguous = strided.contiguous()
+    loc = torch.tensor([0, 3, 4, 6, 11, 9])
+    for got, want in zip(L.read_kv_bytes(strided, loc, p), L.read_kv_bytes(contiguous, loc, p)):
+        assert torch.equal(got, want)
+    assert torch.equal(L.read_kv_rows(strided, loc, p), L.read_kv_rows(contiguous, loc, p))
+    # the page a location names, not its neighbour: rows of page 2 are the last page's bytes
+    values, scales = L.read_kv_bytes(strided, torch.tensor([8]), p)
+    assert torch.equal(values[0], buffer[2, :L.VALUE_BYTES])
+    assert torch.equal(scales[0], buffer[2, p * L.VALUE_BYTES:p * L.VALUE_BYTES + L.SCALE_BYTES])
