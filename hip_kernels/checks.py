@@ -137,9 +137,9 @@ def check_slot_values(name: str, slots, capacity: int,
     s = slots.sort().values
     if s.numel() > 1:
         twice = (s[1:] == s[:-1]) & (s[1:] > 0)
-        first_twice = torch.where(twice, s[1:], torch.full_like(s[1:], -1)).max()
+        first_twice = torch.where(twice, s[1:], torch.zeros_like(s[1:])).max()  # 0: none
     else:
-        first_twice = torch.full_like(s[:1], -1)[0]
+        first_twice = torch.zeros_like(s[:1])[0]
     hi, dup = torch.stack([s[-1], first_twice]).tolist()
     if hi >= capacity:
         raise IndexError(range_message.format(hi=hi) if range_message else (

@@ -6,6 +6,7 @@ import torch
 
 import hip_kernels as hk
 from hip_kernels import KernelOptions
+from hip_kernels.checks import check_slot_values
 
 P = 2
 TORCH = KernelOptions(backend="torch")
@@ -120,3 +121,17 @@ def test_a_repeated_slot_message_says_what_may_repeat():
                                          r"one row only \(0, the dummy, may repeat\)"):
         hk.fused_store_cache(rows, cache, torch.tensor([3, 3]), P,
                              options=hk.KernelOptions(backend="torch"))
+
+
+def test_slot_checks_on_their_own():
+    """One slot, skipped rows (-1) and repeated dummies (0) pass; the largest slot written twice
+    and a slot past the cache are named."""
+    check_slot_values("loc", torch.tensor([5]), 8)
+    check_slot_values("loc", torch.tensor([-1, 0, 7, 0, -1, 3]), 8)
+    with pytest.raises(IndexError, match=r"loc holds location 8 but the cache has 8 slots "
+                                         r"\(valid: -1 to skip, or 0\.\.7\)"):
+        check_slot_values("loc", torch.tensor([8]), 8)
+    with pytest.raises(IndexError, match="^row 9 is past the end$"):
+        check_slot_values("loc", torch.tensor([1, 9]), 8, range_message="row {hi} is past the end")
+    with pytest.raises(ValueError, match="loc holds slot 5 3 times"):
+        check_slot_values("loc", torch.tensor([2, 5, 2, 5, 5, -1]), 8)
