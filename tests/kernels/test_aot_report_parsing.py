@@ -1,0 +1,153 @@
+"""The AOT reports' reading of compiler output, in-process: what hip_aot and triton_aot make of
+an amdgcn listing or an nvcc log, the Triton variants they feed the compiler, and the lines the
+two report scripts print. The compiles themselves run in tests/kernels/test_hip_compile.py and
+test_triton_aot.py (a subprocess: the compiler needs the interpreter off); the texts here are
+written by hand in the compilers' formats, so these run with no toolchain."""
+
+import pytest
+from bench_runner import SCRIPTS  # noqa: F401  (puts scripts/ on the import path)
+
+import hip_aot_report  # noqa: E402
+import triton_aot_report  # noqa: E402
+from hip_kernels import hip_aot, triton_aot  # noqa: E402
+from hip_kernels import kv_layout as L  # noqa: E402
+from hip_kernels.platform import dialect_for_arch  # noqa: E402
+
+FNUZ_SYM = "_Z13set_kv_kernelIL11Fp8DialectE0EEvPKvPh"
+OCP_SYM = "_Z13set_kv_kernelIL11Fp8DialectE1EEvPKvPh"
+
+
+def kernel_metadata(sym, vgpr, sgpr, vspill, sspill, scratch):
+    return (f"\n  - .agpr_count:     0\n    .name:           {sym}\n"
+            f"    .private_segment_fixed_size: {scratch}\n    .sgpr_count:     {sgpr}\n"
+            f"    .sgpr_spill_count: {sspill}\n    .vgpr_count:     {vgpr}\n"
+            f"    .vgpr_spill_count: {vspill}\n")
+
+
+AMDGCN = (
+    f"\t.text\n{FNUZ_SYM}:\n\tv_cvt_pk_fp8_f32 v1, v2, v3\n\tv_cvt_pk_fp8_f32 v4, v5, v6\n"
+    f"\ts_swappc_b64 s[30:31], s[16:17]\n\ts_endpgm\n.Lfunc_end0:\n"
+    f"{OCP_SYM}:\n\tv_div_fixup_f32 v1, v2, v3, v4\n\ts_endpgm\n.Lfunc_end1:\n"
+    "helper_kernel:\n\ts_endpgm\n.Lfunc_end2:\n"
+    "\t.amdgpu_metadata\n---\namdhsa.kernels:"
+    + kernel_metadata(FNUZ_SYM, 40, 18, 0, 0, 0)
+    + kernel_metadata(OCP_SYM, 52, 20, 3, 1, 64)
+    + kernel_metadata("helper_kernel", 4, 4, 0, 0, 0)
+    + "amdhsa.version:\n  - 1\n  - 2\n...\n")
+
+NVCC_LOG = "".join(
+    f"ptxas info    : Compiling entry function '{sym}' for 'sm_90'\n"
+    f"ptxas info    : Function properties for {sym}\n"
+    f"    {stack} bytes stack frame, {st} bytes spill stores, {ld} bytes spill loads\n"
+    f"ptxas info    : Used {regs} registers, 380 bytes cmem[0]\n"
+    "ptxas info    : Compile time = 10.500 ms\n"
+    for sym, regs, stack, st, ld in ((FNUZ_SYM, 38, 0, 0, 0), (OCP_SYM, 72, 16, 8, 4)))
+
+
+def test_amdgcn_stats_per_dialect_from_the_listing():
+    assert hip_aot.amdgcn_kernel_stats(AMDGCN) == {
+        "fnuz": {"vgpr": 40, "sgpr": 18, "spills": 0, "scratch_bytes": 0, "hw_fp8_converts": 2,
+                 "calls": 1, "ieee_div": False},
+        "ocp": {"vgpr": 52, "sgpr": 20, "spills": 4, "scratch_bytes": 64, "hw_fp8_converts": 0,
+                "calls": 0, "ieee_div": True},
+    }
+
+
+def test_sm90_stats_from_the_ptxas_log(monkeypatch, tmp_path):
+    commands = []
+    monkeypatch.setattr(hip_aot.shutil, "which", lambda name: f"/opt/bin/{name}")
+    monkeypatch.setattr(hip_aot, "_run", lambda cmd: commands.append(cmd) or NVCC_LOG)
+    assert hip_aot.compile_sm90(tmp_path) == {
+        "fnuz": {"registers": 38, "stack_bytes": 0, "spills": 0},
+        "ocp": {"registers": 72, "stack_bytes": 16, "spills": 12},
+    }
+    (cmd,) = commands
+    assert cmd[0] == "/opt/bin/nvcc" and "-arch=sm_90" in cmd and cmd[-1].endswith(hip_aot.KERNEL)
+
+
+def test_sm90_without_nvcc_says_so(monkeypatch, tmp_path):
+    monkeypatch.setattr(hip_aot.shutil, "which", lambda name: None)
+    with pytest.raises(hip_aot.ToolMissing, match="nvcc is not on PATH"):
+        hip_aot.compile_sm90(tmp_path)
+
+
+def test_a_failing_tool_shows_its_command_and_output():
+    with pytest.raises(RuntimeError, match=r"(?s)false --flag\nfailed \(1\):\n"):
+        hip_aot._run(["false", "--flag"])
+
+
+def test_hip_report_script_prints_one_line_per_arch_and_dialect(monkeypatch, capsys):
+    seen = []
+    stats = {"gfx942": {"fnuz": {"vgpr": 40, "spills": 0}},
+             "sm_90": {"ocp": {"registers": 72}}}
+    monkeypatch.setattr(hip_aot_report, "report", lambda archs: seen.append(archs) or stats)
+    hip_aot_report.main([])
+    assert seen == [["gfx942", "gfx950", "sm_90"]]
+    assert capsys.readouterr().out.splitlines() == [
+        "gfx942  fnuz  vgpr=40 spills=0", "sm_90   ocp   registers=72"]
+    hip_aot_report.main(["--arch", "gfx950", "--json"])
+    assert seen[-1] == ["gfx950"]
+    assert capsys.readouterr().out.strip() == (
+        '{"gfx942": {"fnuz": {"vgpr": 40, "spills": 0}}, "sm_90": {"ocp": {"registers": 72}}}')
+
+
+def test_triton_resource_usage_from_the_metadata():
+    amdgcn = AMDGCN.replace(FNUZ_SYM, "k").replace("v_cvt_pk_fp8_f32 v4",
+                                                   "v_cvt_scalef32_pk_fp8_f32 v4")
+    assert triton_aot.resource_usage(amdgcn) == {
+        "vgpr": 40, "sgpr": 18, "scratch_bytes": 0, "vgpr_spill": 0,
+        "hw_fp8_convert": ["v_cvt_pk_fp8_f32", "v_cvt_scalef32_pk_fp8_f32"]}
+    with pytest.raises(ValueError, match=r"amdgcn metadata has no \.vgpr_count"):
+        triton_aot.resource_usage("\t.text\n")
+
+
+@pytest.mark.parametrize("arch", triton_aot.ARCHS)
+def test_triton_variants_give_every_kernel_argument_once(arch):
+    """What the compiler is handed: each kernel argument either typed or a constexpr, the
+    target's own fp8 dialect, and page bytes that match the page size."""
+    dialect = dialect_for_arch(arch)
+    variants = triton_aot._variants(dialect)
+    assert len(variants) >= 10
+    for name, (kernel, signature, constexprs, *options) in variants.items():
+        assert not set(signature) & set(constexprs), name
+        assert set(signature) | set(constexprs) == set(kernel.arg_names), name
+        if "FP8_MAX" in constexprs:
+            assert constexprs["FP8_NAN"] == dialect.nan_byte, name
+        if "PAGE_BYTES" in constexprs:
+            assert constexprs["PAGE_BYTES"] == L.page_bytes(constexprs["PAGE_SIZE"]), name
+
+
+def test_triton_report_rows_name_arch_dialect_kernel_and_use(monkeypatch):
+    class Compiled:
+        asm = {"amdgcn": AMDGCN.replace(FNUZ_SYM, "k")}
+
+    calls = []
+    monkeypatch.setattr(triton_aot, "compile_for",
+                        lambda kernel, sig, const, arch, *opt: calls.append(arch) or Compiled)
+    rows = triton_aot.report(("gfx942", "gfx950"))
+    names = list(triton_aot._variants(dialect_for_arch("gfx942")))
+    assert [r["kernel"] for r in rows] == names * 2
+    assert calls == ["gfx942"] * len(names) + ["gfx950"] * len(names)
+    assert {(r["arch"], r["dialect"]) for r in rows} == {("gfx942", "fnuz"), ("gfx950", "ocp")}
+    store = [r for r in rows if r["kernel"] == "fused_store_cache"][0]
+    assert store["function"] == "store_cache_kernel" and store["vgpr"] == 40
+
+
+def test_triton_report_script_prints_a_table(monkeypatch, capsys):
+    row = {"arch": "gfx942", "dialect": "fnuz", "kernel": "fused_store_cache", "vgpr": 40,
+           "sgpr": 18, "scratch_bytes": 0, "hw_fp8_convert": ["v_cvt_pk_fp8_f32"]}
+    monkeypatch.setattr(triton_aot_report, "report",
+                        lambda archs: [row, {**row, "kernel": "hc_split", "hw_fp8_convert": []}])
+    triton_aot_report.main([])
+    header, store, split = capsys.readouterr().out.splitlines()
+    assert header.split() == ["arch", "fp8", "kernel", "vgpr", "sgpr", "scratch", "fp8", "convert"]
+    assert store.split() == ["gfx942", "fnuz", "fused_store_cache", "40", "18", "0",
+                             "v_cvt_pk_fp8_f32"]
+    assert split.split()[-1] == "-"
+
+
+def test_aot_compile_refuses_an_interpreted_process(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    kernel, signature, constexprs = triton_aot._hc_split_variant()
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET unset"):
+        triton_aot.compile_for(kernel, signature, constexprs, "gfx942")
