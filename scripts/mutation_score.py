@@ -73,7 +73,6 @@ SUBPROCESS_TESTS = (
     "tests/runtime/test_bench_scripts.py::test_swa_translation_quick",
     "tests/runtime/test_bench_scripts.py::test_sglang_plugin_quick",
     "tests/runtime/test_bench_scripts.py::test_sweep_script",
-    "tests/runtime/test_flags.py::test_cli_env",
     "tests/runtime/test_flags.py::test_update_flags_doc",
     "tests/model/test_checkpoint.py::test_lazy_exports_keep_import_cheap",
     "tests/runtime/test_imports.py::test_packages_import_without_triton",

@@ -74,45 +74,58 @@ def test_docs_flag_table_matches_declarations():
         "docs/flags.md is out of date: regenerate it with `python scripts/update_flags_doc.py`")
 
 
-def _run_cli(*args, env_extra=None):
-    import os
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DSV4_")}
-    env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-m", "dsv4", *args], capture_output=True, text=True,
-                          cwd=ROOT, env=env)
+def run_env(capsys, flag_env, **env):
+    """`python -m dsv4 env` in this process with only the given DSV4_* flags set."""
+    from dsv4.cli import main
+
+    flag_env(**env)
+    rc = main(["env"])
+    return rc, capsys.readouterr().out
 
 
-def test_cli_env_prints_every_flag_with_value_and_source():
-    out = _run_cli("env", env_extra={"DSV4_GRAPH": "off"})
-    assert out.returncode == 0, out.stderr
-    flag_lines = out.stdout.split("\n\n")[0].splitlines()[1:]
+def test_cli_env_prints_every_flag_with_value_and_source(capsys, flag_env):
+    rc, out = run_env(capsys, flag_env, DSV4_GRAPH="off")
+    assert rc == 0
+    header, *flag_lines = out.split("\n\n")[0].splitlines()
+    assert header.split() == ["flag", "value", "source", "meaning"]
     lines = {line.split()[0]: line.split() for line in flag_lines}
     assert set(lines) == {f.name for f in flags_table.flags()}
     assert lines["DSV4_GRAPH"][1:3] == ["0", "env"]
     assert lines["DSV4_KERNEL_BACKEND"][1:3] == ["auto", "default"]
+    # the columns line up: every source starts where the header's "source" does
+    column = header.index("source")
+    assert {line[column - 2:column + 7].strip() for line in flag_lines} == {"default", "env"}
 
 
-def test_cli_env_reports_bad_value_and_fails():
-    out = _run_cli("env", env_extra={"DSV4_FP8_DIALECT": "e5m2"})
-    assert out.returncode == 1
-    assert "DSV4_FP8_DIALECT='e5m2'" in out.stdout
+def test_cli_env_reports_bad_value_and_fails(capsys, flag_env):
+    rc, out = run_env(capsys, flag_env, DSV4_FP8_DIALECT="e5m2")
+    assert rc == 1
+    assert "DSV4_FP8_DIALECT='e5m2'" in out
+    assert "serving plugins" not in out
 
 
-def test_cli_env_says_what_each_serving_plugin_would_replace():
+def test_cli_env_markdown_is_the_docs_table(capsys, flag_env):
+    from dsv4.cli import main
+
+    flag_env()
+    assert main(["env", "--markdown"]) == 0
+    assert capsys.readouterr().out.strip() == flags_table.docs_table().strip()
+
+
+def test_cli_env_says_what_each_serving_plugin_would_replace(capsys, flag_env):
     from dsv4.plugins.host_signatures import installed_version
 
-    out = _run_cli("env")
-    assert out.returncode == 0, out.stderr
-    plugins = out.stdout.split("serving plugins")[1].splitlines()[1:]
+    rc, out = run_env(capsys, flag_env)
+    assert rc == 0
+    plugins = out.split("serving plugins")[1].splitlines()[1:]
     sglang = [line.strip() for line in plugins if line.strip().startswith("sglang")]
     if installed_version("sglang") is None:
         assert sglang == ["sglang: not installed"]
     else:
         assert sglang[0].startswith(f"sglang {installed_version('sglang')}: would replace "
                                     "DeepSeekV4TokenToKVPool.set_swa_key_buffer_radix_fused -> ")
-    off = _run_cli("env", env_extra={"DSV4_SGLANG_PLUGIN": "0"})
-    assert ("plugin off (DSV4_SGLANG_PLUGIN=0)" in off.stdout
-            or "sglang: not installed" in off.stdout)
+    _, off = run_env(capsys, flag_env, DSV4_SGLANG_PLUGIN="0")
+    assert ("plugin off (DSV4_SGLANG_PLUGIN=0)" in off or "sglang: not installed" in off)
     assert any(line.strip().startswith("vllm") for line in plugins)
 
 
