@@ -212,3 +212,37 @@ def test_loader_in_fresh_processes():
         assert line == f"PATCHED {names if patched else []}", env
         if "DSV4_SGLANG_PLUGIN" in env:
             assert "SGLang plugin off (DSV4_SGLANG_PLUGIN=0)" in out
+
+
+def test_status_line_says_what_would_be_replaced_or_why_not(monkeypatch, flag_env):
+    """The line `python -m dsv4 env` prints for SGLang, in each case a user can meet."""
+    version = plugin.installed_version("sglang")
+    pool = plugin.POOL_CLASS
+    flag_env(DSV4_KERNEL_BACKEND="torch")
+    assert plugin.status() == (
+        f"sglang {version}: would replace {pool}.set_swa_key_buffer_radix_fused -> "
+        f"fused_store_cache on torch; {pool}.set_swa_key_buffer_radix_fused_norm_rope -> "
+        "fused_k_norm_rope_store on torch")
+    flag_env(DSV4_KERNEL_BACKEND="torch", DSV4_SGLANG_PLUGIN="0")
+    assert plugin.status() == f"sglang {version}: plugin off (DSV4_SGLANG_PLUGIN=0)"
+    flag_env(DSV4_SGLANG_PLUGIN=None)
+    methods = plugin.class_methods(plugin.POOL_MODULE, plugin.POOL_CLASS)
+    without = {k: v for k, v in methods.items() if k != "set_swa_key_buffer_radix_fused"}
+    monkeypatch.setattr(plugin, "class_methods", lambda *a: without)
+    assert plugin.status() == (f"sglang {version}: nothing would be replaced "
+                               f"({pool}.set_swa_key_buffer_radix_fused is missing)")
+    monkeypatch.setattr(plugin, "installed_version", lambda name: None)
+    assert plugin.status() == "sglang: not installed"
+
+
+def test_the_legacy_location_cache_is_replaced_only_where_sglang_has_it():
+    methods = plugin.class_methods(plugin.POOL_MODULE, plugin.POOL_CLASS)
+    legacy = dict(methods, get_cached_swa_loc=("self", "raw_loc", "layer_id"))
+    chosen, problem = plugin.plan(legacy)
+    assert problem is None and list(chosen) == [*plugin.REPLACEMENTS, "get_cached_swa_loc"]
+    assert plugin.describe_plan({"get_cached_swa_loc": chosen["get_cached_swa_loc"]}) == (
+        f"{plugin.POOL_CLASS}.get_cached_swa_loc -> identity-keyed SWA location cache")
+    _, problem = plugin.plan(dict(methods, get_cached_swa_loc=("self", "loc")))
+    assert problem == (f"{plugin.POOL_CLASS}.get_cached_swa_loc('self', 'loc') differs from the "
+                       "expected ('self', 'raw_loc', 'layer_id')")
+    assert plugin.plan(None) == ({}, f"{plugin.POOL} is not installed")
