@@ -14,15 +14,17 @@ import triton.language as tl
 from .numerics import DEFAULT_NUMERICS, Q_MODES
 from .triton_kv_row import (AMAX_FLOOR, FP32_NAN, INDEX_DIM, INDEX_POW2_AMAX_FLOOR,
                             LAUNCH_OPTIONS, N_TILES, NOPE_DIM, SCALE_BYTES, bf16_rms_inverse,
-                            canonical_nan_bf16, fp8_constexprs, indexer_offsets, is_finite,
-                            load_nope, load_rope, nope_offsets, quantize_tiles, rms_inverse,
-                            rope_offsets, rotate_pairs, rotate_pairs_fma, store_kv_row)
+                            canonical_nan_bf16, fp8_bits, fp8_constexprs, indexer_offsets,
+                            is_finite, load_nope, load_rope, nope_offsets, quantize_tiles,
+                            rms_inverse, rope_offsets, rotate_pairs, rotate_pairs_fma,
+                            store_kv_row)
 
 
 @triton.jit
 def _norm_rope_kv_row(kv_row, weight_ptr, eps, freq_row, freq_stride_pair, cache_ptr, loc, keep,
                       PAGE_SIZE: tl.constexpr, PAGE_BYTES: tl.constexpr,
                       FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_NAN: tl.constexpr,
+                      SOFT_FP8: tl.constexpr,
                       TILE_AMAX_FLOOR: tl.constexpr, ROUND_BF16: tl.constexpr,
                       KV_NORM: tl.constexpr, RMS_DEVICE: tl.constexpr):
     nope = load_nope(kv_row).to(tl.float32)
@@ -36,7 +38,8 @@ def _norm_rope_kv_row(kv_row, weight_ptr, eps, freq_row, freq_stride_pair, cache
     if ROUND_BF16:
         nope = nope.to(tl.bfloat16).to(tl.float32)
         rope = rope.to(tl.bfloat16).to(tl.float32)
-    nope_bytes, scale_bytes = quantize_tiles(nope, FP8, FP8_MAX, TILE_AMAX_FLOOR, FP8_NAN)
+    nope_bytes, scale_bytes = quantize_tiles(nope, FP8, FP8_MAX, TILE_AMAX_FLOOR, FP8_NAN,
+                                             SOFT_FP8)
     rope = canonical_nan_bf16(rotate_pairs(rope, freq_row, freq_stride_pair))
     store_kv_row(cache_ptr, loc, keep, nope_bytes, rope, scale_bytes, PAGE_SIZE, PAGE_BYTES)
 
@@ -75,7 +78,7 @@ def norm_rope_store_kernel(kv_ptr, kv_stride, weight_ptr, eps, freq_ptr, freq_st
                            cache_ptr, num_slots, q_ptr, q_stride_row, q_stride_head,
                            PAGE_SIZE: tl.constexpr, PAGE_BYTES: tl.constexpr,
                            FP8: tl.constexpr, FP8_MAX: tl.constexpr, FP8_NAN: tl.constexpr,
-                           TRANSLATE: tl.constexpr,
+                           SOFT_FP8: tl.constexpr, TRANSLATE: tl.constexpr,
                            HAS_SWA_OUT: tl.constexpr, HAS_Q: tl.constexpr,
                            TILE_AMAX_FLOOR: tl.constexpr, ROUND_BF16: tl.constexpr,
                            KV_NORM: tl.constexpr, Q_MODE: tl.constexpr,
@@ -101,7 +104,7 @@ def norm_rope_store_kernel(kv_ptr, kv_stride, weight_ptr, eps, freq_ptr, freq_st
             keep = (loc >= 0) & (loc < num_slots)
         _norm_rope_kv_row(kv_ptr + row * kv_stride, weight_ptr, eps, freq_row, freq_stride_pair,
                           cache_ptr, loc, keep, PAGE_SIZE, PAGE_BYTES, FP8, FP8_MAX, FP8_NAN,
-                          TILE_AMAX_FLOOR, ROUND_BF16, KV_NORM, RMS_DEVICE)
+                          SOFT_FP8, TILE_AMAX_FLOOR, ROUND_BF16, KV_NORM, RMS_DEVICE)
     else:
         if HAS_Q:
             q_head = q_ptr + row * q_stride_row + (head - 1).to(tl.int64) * q_stride_head
@@ -130,7 +133,8 @@ def _launch_norm_rope(kv, weight, eps, freqs_cis, positions, loc, full_to_swa, s
         kv if q is None else q, 0 if q is None else q.stride(0),
         0 if q is None else q.stride(1),
         PAGE_SIZE=page_size, PAGE_BYTES=cache.stride(0),
-        **fp8_constexprs(dialect, numerics.fp8_max_for(dialect)), TRANSLATE=translate,
+        **fp8_constexprs(dialect, numerics.fp8_max_for(dialect), cache.device),
+        TRANSLATE=translate,
         HAS_SWA_OUT=has_swa_out, HAS_Q=q is not None, TILE_AMAX_FLOOR=numerics.amax_floor,
         ROUND_BF16=numerics.round_to_bf16, KV_NORM=weight is not None,
         Q_MODE=Q_MODES.index(numerics.q_mode), RMS_DEVICE=numerics.rms == "device",
@@ -154,13 +158,14 @@ def fused_translate_norm_rope_store(kv, weight, eps, freqs_cis, positions, full_
 def store_cache_kernel(rows_ptr, row_stride, loc_ptr, loc_stride, cache_ptr, num_slots,
                        PAGE_SIZE: tl.constexpr,
                        PAGE_BYTES: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
-                       FP8_NAN: tl.constexpr, TILE_AMAX_FLOOR: tl.constexpr):
+                       FP8_NAN: tl.constexpr, SOFT_FP8: tl.constexpr,
+                       TILE_AMAX_FLOOR: tl.constexpr):
     """Quantize and store one already normalized and rotated bf16 row per program."""
     row = tl.program_id(0).to(tl.int64)
     loc = tl.load(loc_ptr + row * loc_stride).to(tl.int64)
     row_ptr = rows_ptr + row * row_stride
     nope_bytes, scale_bytes = quantize_tiles(load_nope(row_ptr).to(tl.float32), FP8, FP8_MAX,
-                                             TILE_AMAX_FLOOR, FP8_NAN)
+                                             TILE_AMAX_FLOOR, FP8_NAN, SOFT_FP8)
     store_kv_row(cache_ptr, loc, (loc >= 0) & (loc < num_slots), nope_bytes,
                  canonical_nan_bf16(load_rope(row_ptr + NOPE_DIM)), scale_bytes, PAGE_SIZE,
                  PAGE_BYTES)
@@ -172,7 +177,7 @@ def fused_store_cache(rows, cache, out_loc, page_size, dialect, numerics=DEFAULT
     store_cache_kernel[(rows.shape[0],)](
         rows, rows.stride(0), out_loc, out_loc.stride(0), cache, cache.shape[0] * page_size,
         PAGE_SIZE=page_size, PAGE_BYTES=cache.stride(0),
-        **fp8_constexprs(dialect, numerics.fp8_max_for(dialect)),
+        **fp8_constexprs(dialect, numerics.fp8_max_for(dialect), cache.device),
         TILE_AMAX_FLOOR=numerics.amax_floor, **LAUNCH_OPTIONS)
 
 
@@ -203,7 +208,8 @@ def store_kv_pack(nope_fp8, rope_bf16, scales, cache, out_loc, page_size) -> Non
 @triton.jit
 def indexer_store_kernel(k_ptr, k_stride, loc_ptr, loc_stride, cache_ptr, num_slots,
                          PAGE_SIZE: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
-                         FP8_NAN: tl.constexpr, POW2_SCALE: tl.constexpr = False):
+                         FP8_NAN: tl.constexpr, SOFT_FP8: tl.constexpr,
+                         POW2_SCALE: tl.constexpr = False):
     """One indexer key [128] per program: fp32 scale max(amax, 1e-4) / FP8_MAX (POW2_SCALE:
     2^ceil(log2(max(amax, 2^-126) / FP8_MAX)) from the fp32 bits), values k / scale cast to
     fp8, in the 132-byte layout; a key holding a NaN or inf is poisoned (FP8_NAN bytes, NaN
@@ -223,7 +229,7 @@ def indexer_store_kernel(k_ptr, k_stride, loc_ptr, loc_stride, cache_ptr, num_sl
         amax = tl.where(poisoned, 1.0, tl.maximum(tl.max(tl.abs(k)), AMAX_FLOOR))
         scale = tl.div_rn(amax, tl.full([], FP8_MAX, tl.float32))
         x = tl.div_rn(k, scale)
-    q = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX).to(FP8).to(tl.uint8, bitcast=True)
+    q = fp8_bits(tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX), FP8, FP8_NAN, SOFT_FP8)
     q = tl.where(poisoned, FP8_NAN, q).to(tl.uint8)
     scale = tl.where(poisoned, tl.full([], FP32_NAN, tl.int32).to(tl.float32, bitcast=True),
                      scale)
@@ -238,5 +244,5 @@ def indexer_store(k, cache, out_loc, page_size, dialect, pow2_scale=False) -> No
         return
     indexer_store_kernel[(k.shape[0],)](
         k, k.stride(0), out_loc, out_loc.stride(0), cache, cache.shape[0] * page_size,
-        PAGE_SIZE=page_size, **fp8_constexprs(dialect), POW2_SCALE=pow2_scale,
-        **LAUNCH_OPTIONS)
+        PAGE_SIZE=page_size, **fp8_constexprs(dialect, device=cache.device),
+        POW2_SCALE=pow2_scale, **LAUNCH_OPTIONS)

@@ -10,6 +10,7 @@ with locations whose offsets pass 2^31.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -42,10 +43,12 @@ def fp8_type(dialect):
     return getattr(tl, dialect.triton_name)
 
 
-def fp8_constexprs(dialect, fp8_max=None) -> dict:
-    """The FP8, FP8_MAX and FP8_NAN arguments of the quantizing kernels for a dialect."""
+def fp8_constexprs(dialect, fp8_max=None, device=None) -> dict:
+    """The FP8, FP8_MAX, FP8_NAN and SOFT_FP8 arguments of the quantizing kernels for a dialect
+    and the device of the cache (None: a GPU)."""
     return {"FP8": fp8_type(dialect), "FP8_MAX": dialect.max if fp8_max is None else fp8_max,
-            "FP8_NAN": dialect.nan_byte}
+            "FP8_NAN": dialect.nan_byte,
+            "SOFT_FP8": device is not None and torch.device(device).type == "cpu"}
 
 
 @triton.jit
@@ -162,8 +165,39 @@ def rotate_pairs_fma(rope, freq_row_ptr, freq_stride_pair):
 
 
 @triton.jit
+def fp8_bits(x, FP8: tl.constexpr, FP8_NAN: tl.constexpr, SOFT_FP8: tl.constexpr):
+    """The e4m3 byte of fp32 x (|x| <= the dialect's max), rounded to nearest even. A GPU
+    converts in hardware. SOFT_FP8 (the interpreter, on a CPU) rounds in integer arithmetic as
+    csrc/fp8.cuh's fp8_from_float: Triton 3.7's interpreter rounds a cast's halves up and drops
+    the mantissa carry, which stored other bytes than torch and the HIP kernel. The fnuz dialect
+    (NaN byte 0x80) has no -0."""
+    if not SOFT_FP8:
+        return x.to(FP8).to(tl.uint8, bitcast=True)
+    BIAS: tl.constexpr = FP8.exponent_bias
+    u = x.to(tl.uint32, bitcast=True)
+    a = u & 0x7FFFFFFF
+    biased = a >> 23
+    # fp8 normal: the 23-bit mantissa rounded to 3 bits; a carry bumps the exponent
+    normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - ((127 - BIAS) << 3)
+    # fp8 subnormal: quanta of 2^(-bias-2), the remainder rounded to even (a shift of 25
+    # leaves 0: a 24-bit significand has no bit there)
+    sig = tl.where(biased != 0, (a & 0x7FFFFF) | 0x800000, a)
+    shift = tl.minimum(tl.maximum((148 - BIAS) - biased.to(tl.int32), 21), 25)
+    shift = tl.where(biased != 0, shift, 25).to(tl.uint32)
+    quanta = sig >> shift
+    rem = sig & ((1 << shift) - 1)
+    half = 1 << (shift - 1)
+    quanta += ((rem > half) | ((rem == half) & ((quanta & 1) != 0))).to(tl.uint32)
+    mag = tl.where(biased >= 128 - BIAS, normal, quanta)
+    sign = (u >> 24) & 0x80
+    if FP8_NAN == 0x80:
+        sign = tl.where(mag == 0, 0, sign)
+    return (sign | mag).to(tl.uint8)
+
+
+@triton.jit
 def quantize_tiles(nope, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
-                   TILE_AMAX_FLOOR: tl.constexpr, FP8_NAN: tl.constexpr):
+                   TILE_AMAX_FLOOR: tl.constexpr, FP8_NAN: tl.constexpr, SOFT_FP8: tl.constexpr):
     """Per-tile fp8 quantization of fp32 nope [8, 64]: scale 2^e with
     e = ceil(log2(max(amax, TILE_AMAX_FLOOR) / FP8_MAX)) from the fp32 bits; a tile holding a
     NaN or inf is poisoned (FP8_NAN bytes, scale byte 0xFF). Returns (fp8 bytes [8, 64], scale
@@ -175,7 +209,7 @@ def quantize_tiles(nope, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
     exp = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
     inv_scale = ((127 - exp) << 23).to(tl.float32, bitcast=True)
     x = nope * inv_scale[:, None]
-    q = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX).to(FP8).to(tl.uint8, bitcast=True)
+    q = fp8_bits(tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX), FP8, FP8_NAN, SOFT_FP8)
     q = tl.where(poisoned[:, None], FP8_NAN, q).to(tl.uint8)
     tile = tl.arange(0, TILE_BLOCK)
     scale = tl.where(poisoned, POISON_SCALE, exp + UE8M0_BIAS)

@@ -5,12 +5,14 @@
    round-to-nearest-even, as torch does, so the shim converts through torch.
 2. The fnuz fp8 type `float8e4b8` (MI300) has no interpreter IR type; the shim adds it.
 
-`install()` returns an `undo` callable; test modules import the `interpreter_shim` fixture.
+`install()` returns an `undo` callable; test modules import the `interpreter_shim` fixture;
+`unshimmed()` runs a block under the interpreter as Triton ships it.
 Only used when TRITON_INTERPRET=1; never on a GPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -25,6 +27,7 @@ _TORCH_FLOATS = {
     tl.float8e4b8: torch.float8_e4m3fnuz, tl.float8e5: torch.float8_e5m2,
 }
 _SAME_WIDTH_INT = {8: np.int8, 16: np.int16, 32: np.int32, 64: np.int64}
+_SHIPPED = interpreter._convert_float, interpreter._patch_lang_core
 
 
 def _convert_float(input, input_dtype, output_dtype, rounding_mode):
@@ -62,6 +65,18 @@ def install():
     def undo():
         interpreter._convert_float, interpreter._patch_lang_core = saved
     return undo
+
+
+@contextlib.contextmanager
+def unshimmed():
+    """The interpreter's own conversions (and no fnuz type) inside the block, whatever is
+    installed outside it."""
+    saved = interpreter._convert_float, interpreter._patch_lang_core
+    interpreter._convert_float, interpreter._patch_lang_core = _SHIPPED
+    try:
+        yield
+    finally:
+        interpreter._convert_float, interpreter._patch_lang_core = saved
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -10,7 +10,6 @@ kernel's formula byte for byte, and to the torch reference up to its known CPU d
 """
 
 import mmap
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,28 +23,14 @@ from reference_numerics_oracle import (bf16_round, check_q, inv_sqrt_ieee, kv_de
                                        rsqrt_correctly_rounded)
 from set_kv_cases import (OPS, SHAPES, every_bf16_case, make_case, nonfinite_case, outputs,
                           reference)
+from set_kv_host import build_host_ops
 
-ROOT = Path(__file__).resolve().parents[2]
 TWO_32 = 2 ** 32
 
 
 @pytest.fixture(scope="module")
 def host_ops(tmp_path_factory):
-    from torch.utils import cpp_extension
-
-    if not cpp_extension.is_ninja_available():
-        pytest.skip("ninja is not installed: torch builds C++ extensions with it")
-    try:
-        cpp_extension.load(
-            name="dsv4_set_kv_host", sources=[str(ROOT / "tests/csrc/set_kv_host_harness.cpp")],
-            extra_include_paths=[str(ROOT / "hip_kernels/csrc")],
-            extra_cflags=["-O1", "-ffp-contract=off"],
-            build_directory=str(tmp_path_factory.mktemp("set_kv_host")), is_python_module=False)
-    except (OSError, RuntimeError) as e:
-        if cpp_extension.get_cxx_compiler() and "error:" in str(e):
-            raise
-        pytest.skip(f"no working C++ compiler: {e}")
-    return torch.ops.dsv4_set_kv_host
+    return build_host_ops(tmp_path_factory)
 
 
 def run_host(host_ops, op: str, args: dict, dialect, lanes: int) -> dict:

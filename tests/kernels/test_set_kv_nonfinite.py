@@ -4,7 +4,8 @@ The policy (hip_kernels.kv_layout): a 64-wide nope tile holding a NaN or inf is 
 dialect's NaN byte 64 times with scale byte 0xFF; a NaN RoPE value as the bf16 NaN 0x7FC0;
 an indexer key holding one as NaN bytes with a NaN fp32 scale. Here the torch reference is held
 to the policy stated independently, and Triton (the interpreter on a CPU) to the reference byte
-for byte; the HIP C++ logic is held to it in test_set_kv_host_harness.py.
+for byte; the HIP C++ logic is held to it in test_set_kv_host_harness.py. The reported case
+(issue 27) is held across all three, Triton under the interpreter as Triton ships it.
 """
 
 import pytest
@@ -17,7 +18,8 @@ from hip_kernels import set_kv_ref as R
 from hip_kernels.platform import DIALECTS, FNUZ, OCP, default_device
 from kv_inputs import clone_args, gen, indexer_cache, same_bytes, to_device
 from set_kv_cases import NONFINITE, OPS, nonfinite_case, reference
-from triton_interp_shim import interpreter_shim  # noqa: F401 (autouse fixture)
+from set_kv_host import build_host_ops
+from triton_interp_shim import interpreter_shim, unshimmed  # noqa: F401 (autouse fixture)
 
 DEV = default_device()
 P = 4
@@ -76,6 +78,51 @@ def test_normed_rows_with_a_nan_or_inf_are_poisoned_as_the_arithmetic_says(diale
     assert (rope[2][nan_pair] == 0x7FC0).all()
     assert (rope[2][~nan_pair].view(torch.bfloat16).float() == 0).all()
     assert (scales[3:] != 0xFF).all()                              # finite rows are not touched
+
+
+def reported_case():
+    """Issue 27's rows: a NaN in row 0's tile 0, +inf among row 1's RoPE dims."""
+    rows = torch.randn(2, 512, generator=gen(0)).to(torch.bfloat16)
+    rows[0, 3], rows[1, 500] = float("nan"), float("inf")
+    return dict(rows=rows, cache=torch.zeros(4, L.page_bytes(4), dtype=torch.uint8),
+                out_loc=torch.tensor([1, 6]), page_size=4)
+
+
+@pytest.mark.parametrize("dialect", ["fnuz", "ocp"])
+def test_the_reported_case_poisons_one_tile_and_changes_no_other(dialect):
+    d = DIALECTS[dialect]
+    args = reported_case()
+    values, scales = stored(reference("fused_store_cache", args, d)["cache"], args["out_loc"])
+    clean = clone_args(args)
+    clean["rows"][0, 3] = clean["rows"][1, 500] = 0
+    clean_values, clean_scales = stored(reference("fused_store_cache", clean, d)["cache"],
+                                        args["out_loc"])
+    assert (values[0, :L.TILE] == d.nan_byte).all() and scales[0, 0] == 0xFF
+    assert same_bytes(values[0, L.TILE:], clean_values[0, L.TILE:])
+    assert torch.equal(scales[0, 1:], clean_scales[0, 1:])
+    assert same_bytes(values[1, :L.NOPE_DIM], clean_values[1, :L.NOPE_DIM])
+    assert torch.equal(scales[1], clean_scales[1])
+    assert values[1, 2 * 500 - L.NOPE_DIM:][:2].view(torch.int16) == 0x7F80     # +inf
+
+
+@pytest.mark.parametrize("dialect", ["fnuz", "ocp"])
+@pytest.mark.parametrize("backend", ["triton", "hip_host"])
+def test_the_reported_case_stores_the_reference_bytes(flag_env, tmp_path_factory, backend,
+                                                      dialect):
+    """Triton's interpreter rounded fp32 -> fp8 its own way (57 bytes of clean tiles differed);
+    the kernel now rounds on the CPU in integer arithmetic, so no shim is needed."""
+    args = reported_case()
+    want = reference("fused_store_cache", args, DIALECTS[dialect])["cache"]
+    if backend == "hip_host":
+        host = build_host_ops(tmp_path_factory)
+        a = clone_args(args)
+        host.store_cache(a["rows"], a["cache"], a["out_loc"], 4, dialect == "fnuz", 64)
+        got = a["cache"]
+    else:
+        pytest.importorskip("triton")
+        with unshimmed():
+            got = run(flag_env, "triton", dialect, "fused_store_cache", args)["cache"]
+    assert same_bytes(got, want)
 
 
 def run(flag_env, backend, dialect, op, args):

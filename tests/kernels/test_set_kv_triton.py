@@ -23,7 +23,8 @@ from hip_kernels.backend import resolve  # noqa: E402
 from hip_kernels.platform import default_device  # noqa: E402
 from kv_inputs import (SENTINEL, bf16_rows, clone_args, gen, indexer_cache, kv_cache,  # noqa: E402
                        locations, norm_rope_args, same_bytes, strided, to_device)
-from triton_interp_shim import interpreter_shim  # noqa: E402,F401 (autouse fixture)
+from set_kv_cases import every_bf16_case  # noqa: E402
+from triton_interp_shim import interpreter_shim, unshimmed  # noqa: E402,F401 (autouse fixture)
 
 DEV = default_device()
 # fnuz fp8 is AMD's: Triton has no such type on an NVIDIA GPU (the interpreter and ROCm have)
@@ -165,6 +166,22 @@ def test_fused_store_cache(flag_env, dialect, page_size, n):
     res = run_backends(flag_env, dialect, "fused_store_cache", args)
     assert_same(res, "cache")
     assert_only_rows_written(res["triton"]["cache"], args["out_loc"], page_size, kv_regions)
+
+
+@pytest.mark.skipif(DEV.type != "cpu", reason="the interpreter's own casts")
+@pytest.mark.parametrize("dialect", DIALECTS)
+@pytest.mark.parametrize("op", ["fused_store_cache", "indexer_store"])
+def test_fp8_rounding_does_not_depend_on_the_interpreters_cast(flag_env, dialect, op):
+    """Every bf16 value the fp8 conversion can see (ties, subnormals, -0), and indexer keys,
+    store torch's bytes under the interpreter as Triton ships it (it rounds halves up)."""
+    if op == "fused_store_cache":
+        args, _ = every_bf16_case(hip_kernels.platform.DIALECTS[dialect])
+    else:
+        g = gen(9)
+        args = dict(k=fp8_tie_rows(24, g)[:, :L.INDEX_DIM].contiguous(),
+                    cache=indexer_cache(1, 64), out_loc=locations(g, 24, 64), page_size=64)
+    with unshimmed():
+        assert_same(run_backends(flag_env, dialect, op, args), "cache")
 
 
 @pytest.mark.parametrize("dialect", DIALECTS)
