@@ -57,3 +57,30 @@ def test_native_problem_names_the_dims():
     assert native_problem(ModelConfig.preset("small")) is None
     problem = native_problem(ModelConfig.preset("tiny"))
     assert "dim=64, q_lora_rank=32, o_groups*o_lora_rank=64, moe_inter_dim=32" in problem
+
+
+def test_available_bytes_is_the_gpus_total_or_the_machines_memory(monkeypatch):
+    import os
+
+    from dsv4.memory_estimate import available_bytes
+
+    cpu = available_bytes(torch.device("cpu"))
+    assert cpu == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") and cpu >= GIB
+    seen = []
+    monkeypatch.setattr(torch.cuda, "mem_get_info",
+                        lambda device: seen.append(device) or (3 * GIB, 80 * GIB))   # (free, total)
+    gpu = torch.device("cuda", 1)
+    assert available_bytes(gpu) == 80 * GIB and seen == [gpu]
+
+
+def test_the_estimate_line_a_user_reads():
+    from dsv4.memory_estimate import MemoryEstimate
+
+    need = MemoryEstimate(weight_bytes=3 * GIB, kv_bytes=GIB // 2, prefill_bytes=GIB // 4)
+    assert need.describe() == ("3.8 GiB (3.0 GiB of weights, 0.50 GiB of KV cache, 0.25 GiB for "
+                               "the prefill step)")
+    assert shortfall(need, need.total_bytes, "cpu") is None
+    assert shortfall(need, need.total_bytes - 1, "cpu") == (
+        "this run needs about 3.8 GiB (3.0 GiB of weights, 0.50 GiB of KV cache, 0.25 GiB for the "
+        "prefill step) but cpu has 3.7 GiB; use a smaller model, shorter or fewer prompts, or pass "
+        "--force")
