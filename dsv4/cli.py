@@ -53,7 +53,7 @@ def _cmd_env(args: argparse.Namespace) -> int:
 def _cmd_generate(args: argparse.Namespace) -> int:
     from . import cli_generate
 
-    for name in ("batch", "prompt_len", "max_new_tokens", "repeat"):
+    for name in ("batch", "prompt_len", "max_new_tokens", "repeat", "tp"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     return cli_generate.run(args)
@@ -86,6 +86,15 @@ def build_parser() -> argparse.ArgumentParser:
                      "config's dims allow it, else bf16)")
     src.add_argument("--force", action="store_true",
                      help="run even when the memory estimate exceeds the device's memory")
+    src.add_argument("--tp", type=int, default=1,
+                     help="tensor-parallel ranks, one process each: launch with torchrun "
+                     "--nproc-per-node N -m dsv4 generate --tp N (default 1: this process alone)")
+    src.add_argument("--device-memory", type=float, default=None, metavar="GIB",
+                     help="the memory one device has, in GiB, for the estimate (default: this "
+                     "machine's device)")
+    src.add_argument("--estimate-only", action="store_true",
+                     help="print the per-rank memory estimate and whether it fits, then stop "
+                     "(no weights are made; needs no torchrun)")
     inp = gen.add_argument_group("prompts (default: --batch random prompts of --prompt-len ids)")
     one = inp.add_mutually_exclusive_group()
     one.add_argument("--prompt", help="one text prompt (needs the checkpoint's tokenizer)")
@@ -131,6 +140,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def peer_failure_line(e: BaseException) -> str:
+    """One line for a collective that failed because another tensor-parallel rank stopped."""
+    import os
+
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+    return (f"rank {os.environ.get('RANK', '?')}: another tensor-parallel rank stopped or stopped "
+            f"answering, so this rank ends too ({first})")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Mistakes a user can make (bad values, missing or corrupt files, a model that does not fit)
     end in one line on stderr and exit status 2; --debug shows the traceback instead."""
@@ -147,6 +165,13 @@ def main(argv: list[str] | None = None) -> int:
         message = " ".join(str(e).split()) or type(e).__name__
         print(f"error: {message}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        from .parallel import is_peer_failure
+
+        if args.debug or not is_peer_failure(e):
+            raise
+        print(f"error: {peer_failure_line(e)}", file=sys.stderr)
+        return 3
     finally:
         for logger in loggers:
             logger.removeHandler(WARNINGS)

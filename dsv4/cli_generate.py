@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import re
 import sys
 import time
@@ -122,7 +123,8 @@ def _count(n: int, noun: str) -> str:
 
 def print_report(r: dict, n_prompts: int, tokenizer, model_path: str | None = None) -> None:
     na = "n/a (graph replay: the gather runs inside the graph; counters move only at capture)"
-    graph = f"yes ({r['graph_backend']})" if r["graph"] else "no (eager)"
+    graph = (f"yes ({r['graph_backend']})" if r["graph"] else
+             f"no (eager: {r['eager_reason']})" if r.get("eager_reason") else "no (eager)")
     for i, (ids, error) in enumerate(zip(r["tokens"], r["errors"])):
         print(f"request {i}: {len(ids)} tokens: {' '.join(map(str, ids))}")
         if error:
@@ -136,6 +138,9 @@ def print_report(r: dict, n_prompts: int, tokenizer, model_path: str | None = No
     print(f"generated {_count(sum(map(len, r['tokens'])), 'token')} for "
           f"{_count(n_prompts, 'prompt')} on {r['device']}; graphs: {graph}")
     print(f"weights: {r['weights']} ({r['weights_reason']})")
+    if r.get("tp", 1) > 1:
+        print(f"tensor parallel: {r['tp']} ranks, {r['weight_bytes_per_rank'] / 2 ** 30:.3f} GiB "
+              "of weights per rank")
     print(f"prefill: time to first token {r['ttft_ms']} ms")
     if r["decode_steps"]:
         print(f"decode: {r['decode_tokens_per_s']} tokens/s; step latency p50 "
@@ -176,17 +181,45 @@ def _context_len(args, prompts: list[list[int]]) -> int:
     return context_len
 
 
-def _check_fits(args, config, prompts: list[list[int]], context_len: int, device,
-                weights: str) -> None:
-    """Refuse a run whose estimate (weights held as ``weights``) exceeds the device (nothing is
-    allocated before this)."""
-    from .memory_estimate import available_bytes, estimate, shortfall
+def _estimate(args, config, prompts: list[list[int]], context_len: int, device, weights: str):
+    """(one rank's estimate, the device's bytes, what to call the device)."""
+    from .memory_estimate import GIB, available_bytes, estimate
 
     need = estimate(config, len(prompts), context_len, prompt_tokens=sum(map(len, prompts)),
-                    weights=weights)
-    problem = shortfall(need, available_bytes(device), str(device))
+                    weights=weights, tp=args.tp)
+    if args.device_memory is not None:
+        if args.device_memory <= 0:
+            raise UsageError(f"--device-memory must be > 0 GiB, got {args.device_memory}")
+        return need, int(args.device_memory * GIB), f"a {args.device_memory:g} GiB device"
+    return need, available_bytes(device), str(device)
+
+
+def _check_fits(args, config, prompts: list[list[int]], context_len: int, device,
+                weights: str) -> None:
+    """Refuse a run whose estimate (weights held as ``weights``, one rank's part) exceeds the
+    device (nothing is allocated before this)."""
+    from .memory_estimate import shortfall
+
+    problem = shortfall(*_estimate(args, config, prompts, context_len, device, weights))
     if problem and not args.force:
         raise UsageError(problem)
+
+
+def print_estimate(args, config, prompts: list[list[int]], context_len: int, device,
+                   weights: str) -> int:
+    """--estimate-only: one rank's memory and whether it fits the device, nothing allocated."""
+    from .memory_estimate import GIB
+
+    need, have, where = _estimate(args, config, prompts, context_len, device, weights)
+    fits = need.total_bytes <= have
+    print(f"memory per rank (--tp {args.tp}, {weights} weights): {need.describe()}")
+    print(f"fits {where} ({have / GIB:.1f} GiB): {'yes' if fits else 'no'}")
+    if args.json:
+        print(json.dumps({"tp": args.tp, "weights": weights,
+                          "weight_bytes_per_rank": need.weight_bytes, "kv_bytes": need.kv_bytes,
+                          "total_bytes_per_rank": need.total_bytes, "device_bytes": have,
+                          "fits": fits}))
+    return 0
 
 
 def weight_format(args, config) -> tuple[str, str]:
@@ -224,18 +257,18 @@ def _config(args):
     return ModelConfig.from_json(path / "config.json")
 
 
-def _model(args, config, weights: str, context_len: int, device, on_tensor, options):
+def _model(args, config, weights: str, context_len: int, device, on_tensor, options, split):
     from . import DeepseekV4Model, init_random_weights, load_model
 
     if args.model_path:
         return load_model(args.model_path, device=device, on_tensor=on_tensor, options=options,
-                          weights=weights)
+                          weights=weights, split=split)
     model = DeepseekV4Model(config, device=device, max_seq_len=context_len, options=options,
-                            weights=weights)
+                            weights=weights, split=split)
     return init_random_weights(model, seed=args.seed)
 
 
-def _prefix_cache(args, config, context_len: int, batch: int, options):
+def _prefix_cache(args, config, context_len: int, batch: int, options, group):
     """The engine's prefix_cache argument: None follows options.prefix_cache
     (DSV4_PREFIX_CACHE)."""
     if args.prefix_cache is None and args.prefix_cache_dir is None:
@@ -249,7 +282,8 @@ def _prefix_cache(args, config, context_len: int, batch: int, options):
     pages = batch * -(-context_len // page_size)
     file_dir = args.prefix_cache_dir or options.prefix_cache_dir or None
     return PrefixCache(page_size, config.window_size,
-                       options.prefix_cache_host_pages or 4 * pages, file_dir=file_dir)
+                       options.prefix_cache_host_pages or 4 * pages, file_dir=file_dir,
+                       group=group)
 
 
 def run(args) -> int:
@@ -257,11 +291,8 @@ def run(args) -> int:
 
     from .engine import Engine, EngineStats
     from .options import Options
+    from .parallel import end_group, split_problem, start_group
     from .sampling import SamplingParams
-
-    def bar(desc, total=None):
-        return tqdm(total=total, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True,
-                    disable=True if args.quiet else None)
 
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     if args.threads or not torch.cuda.is_available():
@@ -272,15 +303,30 @@ def run(args) -> int:
     prompts = prompts_from_args(args, tokenizer, config.vocab_size)
     context_len = _context_len(args, prompts)
     weights, why = weight_format(args, config)
+    problem = split_problem(config, args.tp, weights == "native")
+    if problem:
+        raise UsageError(problem)
+    if args.estimate_only:
+        return print_estimate(args, config, prompts, context_len, device, weights)
+    split = start_group(args.tp, os.environ, device)    # torchrun's RANK, WORLD_SIZE, ...
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    lead = split.rank == 0                  # rank 0 alone reports; the others print only errors
+
+    def bar(desc, total=None):
+        return tqdm(total=total, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True,
+                    disable=True if args.quiet or not lead else None)
+
     _check_fits(args, config, prompts, context_len, device, weights)
     options = Options.from_env()          # the DSV4_* flags, read once for the model and engine
     with bar("loading weights") as b:
-        model = _model(args, config, weights, context_len, device, lambda: b.update(), options)
+        model = _model(args, config, weights, context_len, device, lambda: b.update(), options,
+                       split)
     eos = None if args.ignore_eos else model.config.eos_token_id
     engine = Engine(model, max_batch=len(prompts), max_context_len=context_len,
                     eos_token_id=eos, graph=args.graph, options=options,
                     prefix_cache=_prefix_cache(args, model.config, context_len, len(prompts),
-                                               options))
+                                               options, split.group))
     cache, engine.prefix_cache = engine.prefix_cache, None   # the warm-up caches nothing
     with bar("warm-up and graph capture", total=1) as b:
         engine.generate(prompts, min(2, args.max_new_tokens), sampling=sampling)
@@ -300,7 +346,13 @@ def run(args) -> int:
     report["weights"], report["weights_reason"] = weights, why
     report["prefix_cache"] = engine.prefix_cache is not None
     report["passes"] = passes
-    print_report(report, len(prompts), tokenizer, args.model_path)
-    if args.json:
-        print(json.dumps(report))
+    report["tp"] = split.size
+    report["weight_bytes_per_rank"] = sum(t.numel() * t.element_size() for t in (
+        *model.parameters(), *model.buffers()))
+    report["eager_reason"] = engine.eager_reason
+    if lead:
+        print_report(report, len(prompts), tokenizer, args.model_path)
+        if args.json:
+            print(json.dumps(report))
+    end_group(split)
     return 0

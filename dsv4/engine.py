@@ -93,6 +93,12 @@ class Engine:
     request early. On a CPU, set ``torch.set_num_threads(1)`` first, as ``python -m dsv4
     generate`` does: the tiny model's ops are too small to share between threads, and on a busy
     machine torch's default thread count makes the same call several times slower.
+
+    Tensor parallel (a model of a ``dsv4.parallel`` split): every rank runs its own Engine on the
+    same prompts. Admission, retraction and prefix-cache decisions depend only on the prompts,
+    the pool (the same size on every rank: each keeps the whole KV) and the logits, which the
+    head's all_gather makes the same bits on every rank, so the ranks decide alike and meet at
+    every collective; the prefix cache's commits are agreed over the split's group.
     """
 
     def __init__(self, model, max_total_tokens: int | None = None, swa_tokens: int | None = None,
@@ -127,12 +133,19 @@ class Engine:
         self.page_size = page_size
         self.stats = EngineStats()
         use_graph = self.options.graph if graph is None else graph
+        # Tensor parallel on a GPU captures the collectives in the step (NCCL/RCCL); the CPU
+        # emulation's graphs cannot hold gloo's, so there the ranks run eagerly.
+        self.eager_reason = ("tensor parallel on a CPU runs eagerly"
+                             if use_graph and model.split.size > 1 and self.device.type == "cpu"
+                             else None)
+        use_graph = use_graph and self.eager_reason is None
         self.graph_runner = make_decode_graph_runner(
             model, self.pool, self.req_to_token, max_batch, self.max_context_len,
             self.device, self.options) if use_graph else None
         if prefix_cache is None:
             prefix_cache = prefix_cache_from_options(self.options, page_size, cfg.window_size,
-                                                     max_total_tokens // page_size)
+                                                     max_total_tokens // page_size,
+                                                     model.split.group)
         elif prefix_cache is not False and (prefix_cache.page_size, prefix_cache.window) != (
                 page_size, cfg.window_size):
             raise ValueError(f"prefix_cache holds pages of {prefix_cache.page_size} tokens for "

@@ -9,6 +9,10 @@ requests of `context_len` tokens. The prefill
 is one extend step over every prompt token, whose attention metadata holds, per compress ratio,
 an int64 location and a validity flag for each (prompt token, compressed row) pair: that grows
 with the square of the prompt length and is counted too (`PREFILL_BYTES_PER_ROW`).
+
+With tensor parallelism over ``tp`` ranks the estimate is one rank's: its part of the weights (the
+split of ``dsv4.parallel``: its heads, output groups, routed experts and vocab rows, and every
+replicated tensor whole), and the whole KV pool (the latent KV row serves every head).
 """
 
 from __future__ import annotations
@@ -52,13 +56,16 @@ def prefill_bytes(config, prompt_tokens: int, context_len: int) -> int:
     return prompt_tokens * rows * PREFILL_BYTES_PER_ROW
 
 
-def weight_bytes(config, weights: str = "native", max_seq_len: int = 4096) -> int:
-    """Bytes of the model's parameters and buffers, its weights held as ``weights`` says."""
+def weight_bytes(config, weights: str = "native", max_seq_len: int = 4096, tp: int = 1) -> int:
+    """Bytes of the model's parameters and buffers, its weights held as ``weights`` says; with
+    ``tp`` > 1, of one tensor-parallel rank's part."""
     from .model import DeepseekV4Model
+    from .parallel import TensorSplit
 
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
-    model = DeepseekV4Model(config, device="meta", max_seq_len=max_seq_len, weights="bf16")
+    model = DeepseekV4Model(config, device="meta", max_seq_len=max_seq_len, weights="bf16",
+                            split=TensorSplit(0, tp))
     tensors = [*model.named_parameters(), *model.named_buffers()]
     if weights == "bf16":
         return sum(t.numel() * t.element_size() for _, t in tensors)
@@ -66,14 +73,15 @@ def weight_bytes(config, weights: str = "native", max_seq_len: int = 4096) -> in
 
 
 def estimate(config, batch: int, context_len: int, page_size: int = 256,
-             prompt_tokens: int = 0, weights: str = "native") -> MemoryEstimate:
+             prompt_tokens: int = 0, weights: str = "native", tp: int = 1) -> MemoryEstimate:
     """Bytes a run of ``batch`` requests of up to ``context_len`` tokens needs, with a prefill
-    of ``prompt_tokens`` tokens in all, the weights held as ``weights`` ("native" or "bf16")."""
+    of ``prompt_tokens`` tokens in all, the weights held as ``weights`` ("native" or "bf16"); on
+    each rank of ``tp``."""
     spec = KVCacheSpec(compress_ratios=config.compress_ratios[:config.n_layers],
                        window_size=config.window_size)
     tokens = batch * -(-context_len // page_size) * page_size
     kv = footprint(spec, page_size).total_bytes(tokens, tokens, batch + 1)
-    return MemoryEstimate(weight_bytes(config, weights, context_len), kv,
+    return MemoryEstimate(weight_bytes(config, weights, context_len, tp), kv,
                           prefill_bytes(config, prompt_tokens, context_len))
 
 

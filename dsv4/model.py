@@ -23,12 +23,13 @@ from .config import ModelConfig
 from .forward_batch import ForwardBatch
 from .layers import mhc
 from .layers.attention import Attention
-from .layers.linear import Linear
 from .layers.moe import MoE
 from .layers.norm import RMSNorm
 from .layers.rope import layer_freqs_cis
 from .options import Options
 from .paged_attention import PagedAttention, RingRowCapture
+from .parallel import SINGLE, TensorSplit, split_problem
+from .parallel.vocab import VocabEmbedding, VocabHead
 from .weights.formats import native_problem
 
 WEIGHT_FORMATS = ("native", "bf16")
@@ -38,14 +39,14 @@ logger = logging.getLogger(__name__)
 
 class DeepseekV4DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype = torch.bfloat16,
-                 device=None, native: bool = False):
+                 device=None, native: bool = False, split: TensorSplit = SINGLE):
         super().__init__()
         self.layer_id = layer_id
         self.config = cfg
         self.compress_ratio = cfg.layer_ratio(layer_id)
-        self.attn = Attention(cfg, layer_id, dtype, device, native)
+        self.attn = Attention(cfg, layer_id, dtype, device, native, split)
         self.paged = PagedAttention(self.attn)   # not a submodule: it owns no parameters
-        self.ffn = MoE(cfg, layer_id, dtype, device, native)
+        self.ffn = MoE(cfg, layer_id, dtype, device, native, split)
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
         mix = (2 + cfg.hc_mult) * cfg.hc_mult
@@ -96,24 +97,33 @@ class DeepseekV4Model(nn.Module):
     compressors, norms, mHC and head as the reference keeps them (bf16 / fp32). "bf16": every
     linear in ``dtype`` (bf16 ``F.linear``). None: "native" where the config allows it (every
     FP8/FP4 linear's input dim a multiple of 128, ``weights.formats.native_problem``), else
-    "bf16" (the tiny preset); asking "native" of a config that does not allow it raises."""
+    "bf16" (the tiny preset); asking "native" of a config that does not allow it raises.
+
+    split: the part of the model this tensor-parallel rank holds (``dsv4.parallel``, the
+    reference's model-parallel split: heads, output groups, routed experts, vocab rows), with
+    the collectives on its group at the reference's points; default one rank, the whole model."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.bfloat16, device=None,
                  max_seq_len: int = 4096, options: Options | None = None,
-                 weights: str | None = None):
+                 weights: str | None = None, split: TensorSplit = SINGLE):
         super().__init__()
         config.validate()
         self.config = config
+        self.split = split
         self.options = Options.from_env() if options is None else options
         self.dtype = dtype
         self.weights = resolve_weights(config, weights, dtype)
         native = self.weights == "native"
+        problem = split_problem(config, split.size, native)
+        if problem:
+            raise ValueError(problem)
         self.max_seq_len = max_seq_len
-        self.embed = nn.Embedding(config.vocab_size, config.dim, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DeepseekV4DecoderLayer(config, i, dtype, device, native)
+        self.embed = VocabEmbedding(config.vocab_size, config.dim, dtype, device, split)
+        self.layers = nn.ModuleList(DeepseekV4DecoderLayer(config, i, dtype, device, native,
+                                                           split)
                                     for i in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps, device=device)
-        self.head = Linear(config.dim, config.vocab_size, dtype=torch.float32, device=device)
+        self.head = VocabHead(config.vocab_size, config.dim, device, split)
         hc = config.hc_mult
         self.hc_head_fn = _f32(device, hc, hc * config.dim)
         self.hc_head_base = _f32(device, hc)

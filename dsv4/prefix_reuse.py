@@ -33,15 +33,16 @@ RING = STATE_RING[4]
 
 
 def prefix_cache_from_options(options: Options, page_size: int, window: int,
-                              device_pages: int) -> PrefixCache | None:
-    """The cache options.prefix_cache asks for (DSV4_PREFIX_CACHE; None when it is off)."""
+                              device_pages: int, group=None) -> PrefixCache | None:
+    """The cache options.prefix_cache asks for (DSV4_PREFIX_CACHE; None when it is off).
+    group: the tensor-parallel ranks' process group, which agrees on every prefix commit."""
     if not options.prefix_cache:
         return None
     host_pages = options.prefix_cache_host_pages
     if host_pages < 0:
         raise ValueError(f"DSV4_PREFIX_CACHE_HOST_PAGES={host_pages}: expected >= 0")
     return PrefixCache(page_size, window, host_pages or device_pages,
-                       file_dir=options.prefix_cache_dir or None)
+                       file_dir=options.prefix_cache_dir or None, group=group)
 
 
 def match_prompt(cache: PrefixCache, req: Request) -> PrefixHit:

@@ -22,6 +22,7 @@ from torch import nn
 from hip_kernels.decode_attention import sparse_attention_rows
 from hip_kernels.options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 
+from ..parallel import SINGLE, TensorSplit, sum_over_ranks
 from .compressor import Compressor
 from .indexer import Indexer
 from .linear import Linear
@@ -32,15 +33,18 @@ from .rope import rope_tail
 
 class Attention(nn.Module):
     def __init__(self, cfg, layer_id: int, dtype: torch.dtype = torch.bfloat16, device=None,
-                 native: bool = False):
+                 native: bool = False, split: TensorSplit = SINGLE):
         """native: wq_a, wq_b, wkv, wo_b (and the indexer's wq_b) hold FP8 weights and compute as
-        the reference's FP8 linear; wo_a stays bf16, as the reference computes it."""
+        the reference's FP8 linear; wo_a stays bf16, as the reference computes it. split: this
+        tensor-parallel rank's heads and output groups (n_heads, n_groups, the sinks, wq_b and
+        wo_a rows, wo_b columns are its part; ``sum_partial_output`` adds the ranks' wo_b)."""
         super().__init__()
         self.layer_id = layer_id
-        self.n_heads = cfg.n_heads
+        self.split = split
+        self.n_heads = split.part(cfg.n_heads, "n_heads")
         self.head_dim = cfg.head_dim
         self.rope_dim = cfg.rope_head_dim
-        self.n_groups = cfg.o_groups
+        self.n_groups = split.part(cfg.o_groups, "o_groups")
         self.o_lora_rank = cfg.o_lora_rank
         self.window_size = cfg.window_size
         self.ratio = cfg.layer_ratio(layer_id)
@@ -61,7 +65,7 @@ class Attention(nn.Module):
         self.wo_b = linear(self.n_groups * self.o_lora_rank, cfg.dim)
         self.compressor = (Compressor(cfg.dim, self.head_dim, self.rope_dim, self.ratio, self.eps,
                                       device=device) if self.ratio else None)
-        self.indexer = Indexer(cfg, dtype, device, native) if self.ratio == 4 else None
+        self.indexer = Indexer(cfg, dtype, device, native, split) if self.ratio == 4 else None
 
     def project_q(self, x: torch.Tensor, options: KernelOptions = DEFAULT_KERNEL_OPTIONS
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,4 +93,9 @@ class Attention(nn.Module):
         o = o.flatten(1).unflatten(-1, (self.n_groups, -1))
         w = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
         t = torch.einsum("ngd,grd->ngr", o, w)
-        return self.wo_b(t.flatten(1), options)
+        return self.sum_partial_output(self.wo_b(t.flatten(1), options))
+
+    def sum_partial_output(self, y: torch.Tensor) -> torch.Tensor:
+        """wo_b's output summed over the tensor-parallel ranks (each holds some of its input
+        columns: the reference's RowParallelLinear all_reduce); y itself on one rank."""
+        return sum_over_ranks(y, self.split)

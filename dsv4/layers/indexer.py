@@ -19,6 +19,7 @@ from hip_kernels import aiter_ops
 from hip_kernels.options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 
 from ..options import Options
+from ..parallel import SINGLE, TensorSplit, sum_over_ranks
 from .compressor import Compressor
 from .linear import Linear
 from .quant_linear import make_linear
@@ -28,23 +29,27 @@ from .rope import rope_tail
 
 class Indexer(nn.Module):
     def __init__(self, cfg, dtype: torch.dtype = torch.bfloat16, device=None,
-                 native: bool = False):
+                 native: bool = False, split: TensorSplit = SINGLE):
+        """split: this tensor-parallel rank's index heads (wq_b and weights_proj rows);
+        n_heads stays the model's count (it scales the weights), n_local_heads is the rank's."""
         super().__init__()
+        self.split = split
         self.n_heads = cfg.index_n_heads
+        self.n_local_heads = split.part(cfg.index_n_heads, "index_n_heads")
         self.head_dim = cfg.index_head_dim
         self.rope_dim = cfg.rope_head_dim
         self.topk = cfg.index_topk
         self.ratio = 4
-        self.wq_b = make_linear(cfg.q_lora_rank, self.n_heads * self.head_dim, native, dtype,
-                                device)
-        self.weights_proj = Linear(cfg.dim, self.n_heads, dtype=dtype, device=device)
+        self.wq_b = make_linear(cfg.q_lora_rank, self.n_local_heads * self.head_dim, native,
+                                dtype, device)
+        self.weights_proj = Linear(cfg.dim, self.n_local_heads, dtype=dtype, device=device)
         self.compressor = Compressor(cfg.dim, self.head_dim, self.rope_dim, self.ratio,
                                      cfg.norm_eps, rotate=True, device=device)
 
     def project_q(self, qr: torch.Tensor, freqs_cis: torch.Tensor, reference: bool,
                   options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
         """Index queries [N, Hi, 128] (RoPE at the token positions, rotated, FP4-simulated)."""
-        q = self.wq_b(qr, options).unflatten(-1, (self.n_heads, self.head_dim))
+        q = self.wq_b(qr, options).unflatten(-1, (self.n_local_heads, self.head_dim))
         q = rope_tail(q, freqs_cis, self.rope_dim)
         return fp4_quant_dequant(hadamard_rotate(q, reference))
 
@@ -59,8 +64,14 @@ class Indexer(nn.Module):
                options: Options) -> torch.Tensor:
         """Top-k of scores [N, T] among visible [N, T] rows: int64 [N, min(topk, T)], -1 where a
         query has fewer visible rows than that (on aiter where options allow it)."""
+        scores = self.sum_scores_over_ranks(scores)
         k = min(self.topk, scores.shape[1])
         masked = scores.masked_fill(~visible, float("-inf"))
         vals, idx = aiter_ops.topk_rows(masked, k, numerics=options.numerics,
                                         options=options.kernel)
         return idx.masked_fill(vals == float("-inf"), -1)
+
+    def sum_scores_over_ranks(self, scores: torch.Tensor) -> torch.Tensor:
+        """Each rank's scores sum its own heads: the ranks add them before the top-k (the
+        reference's all_reduce of index_score); scores itself on one rank."""
+        return sum_over_ranks(scores, self.split)

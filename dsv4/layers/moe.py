@@ -12,6 +12,7 @@ from hip_kernels import aiter_ops, fp4_grouped_linear
 from hip_kernels.options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 
 from ..options import Options
+from ..parallel import SINGLE, TensorSplit, sum_over_ranks
 from .quant_linear import frozen, make_linear
 
 
@@ -107,15 +108,19 @@ class RoutedExperts(nn.Module):
 
     native: the published FP4 format, e2m1 codes packed two a byte as int8 [E, out, in/2] (element
     2i in the low nibble) with one ue8m0 scale per 32 inputs, ``w1_scale`` [E, out, in/32]
-    (``{e}.w1.scale`` in state dicts)."""
+    (``{e}.w1.scale`` in state dicts).
+
+    first: the model-wide index of expert 0 here (a tensor-parallel rank holds n_experts experts
+    from there on; state dicts name them by their model-wide index)."""
 
     PROJECTIONS = ("w1", "w2", "w3")
     FP4_BLOCK = 32
 
     def __init__(self, n_experts: int, dim: int, inter_dim: int, dtype=torch.bfloat16,
-                 device=None, native: bool = False):
+                 device=None, native: bool = False, first: int = 0):
         super().__init__()
         self.n_experts = n_experts
+        self.first = first
         self.native = native
         shapes = {"w1": (inter_dim, dim), "w2": (dim, inter_dim), "w3": (inter_dim, dim)}
         for name, (n, k) in shapes.items():
@@ -141,7 +146,7 @@ def _per_expert_entries(module: RoutedExperts, state_dict, prefix, local_metadat
     for param, leaf in module.entries():
         stacked = state_dict.pop(prefix + param)
         for e in range(module.n_experts):
-            state_dict[f"{prefix}{e}.{leaf}"] = stacked[e]
+            state_dict[f"{prefix}{module.first + e}.{leaf}"] = stacked[e]
 
 
 def _stacked_entries(module: RoutedExperts, state_dict, prefix, *args) -> None:
@@ -162,13 +167,19 @@ class MoE(nn.Module):
     mode computes them."""
 
     def __init__(self, cfg, layer_id: int, dtype: torch.dtype = torch.bfloat16, device=None,
-                 native: bool = False):
+                 native: bool = False, split: TensorSplit = SINGLE):
+        """split: this tensor-parallel rank holds n_local_experts routed experts from
+        first_expert on (the gate and the shared expert whole); ``sum_routed_over_ranks`` adds
+        the ranks' routed outputs."""
         super().__init__()
+        self.split = split
         self.n_experts = cfg.n_routed_experts
+        self.n_local_experts = split.part(cfg.n_routed_experts, "n_routed_experts")
+        self.first_expert = split.start(cfg.n_routed_experts)
         self.swiglu_limit = cfg.swiglu_limit
         self.gate = Gate(cfg, layer_id, dtype, device)
-        self.experts = RoutedExperts(cfg.n_routed_experts, cfg.dim, cfg.moe_inter_dim, dtype,
-                                     device, native)
+        self.experts = RoutedExperts(self.n_local_experts, cfg.dim, cfg.moe_inter_dim, dtype,
+                                     device, native, self.first_expert)
         self.shared_experts = (Expert(cfg.dim, cfg.moe_inter_dim, cfg.swiglu_limit, dtype, device,
                                       native) if cfg.n_shared_experts else None)
 
@@ -202,9 +213,26 @@ class MoE(nn.Module):
         return torch.zeros(n, x.shape[1], dtype=torch.float32, device=x.device).index_add_(
             0, token, out.float())
 
+    def local_routing(self, weights: torch.Tensor, indices: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The routing among this tensor-parallel rank's experts: indices made local, and a
+        pair whose expert another rank holds sent to local expert 0 with weight 0 (it adds an
+        exact 0, and the shapes stay the batch's, so a graph holds the step). The identity on one
+        rank."""
+        if self.n_local_experts == self.n_experts:
+            return weights, indices
+        local = indices - self.first_expert
+        mine = (local >= 0) & (local < self.n_local_experts)
+        return weights.masked_fill(~mine, 0.0), local.masked_fill(~mine, 0)
+
+    def sum_routed_over_ranks(self, y: torch.Tensor) -> torch.Tensor:
+        """The routed experts' fp32 output summed over the ranks (each ran its own experts:
+        the reference's all_reduce, before the shared expert is added); y itself on one rank."""
+        return sum_over_ranks(y, self.split)
+
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor, options: Options) -> torch.Tensor:
-        weights, indices = self.gate(x, input_ids, options)
-        y = self.routed(x, weights, indices, options.kernel)
+        weights, indices = self.local_routing(*self.gate(x, input_ids, options))
+        y = self.sum_routed_over_ranks(self.routed(x, weights, indices, options.kernel))
         if self.shared_experts is not None:
             y += self.shared_experts(x, options.kernel)
         return y.to(x.dtype)

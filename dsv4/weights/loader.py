@@ -4,7 +4,8 @@ Accepts the reference tensor names and the Hugging Face variant (``names.py``), 
 and FP4 (1x32) quantized weights (kept as stored by a model holding the published formats,
 ``native.py``; dequantized for a bf16 model, ``quant.py``), skips MTP tensors with a notice, and checks every name and shape before the first tensor is read: all problems are
 reported together in one ``CheckpointError``. Tensors are read and copied one at a time, so the
-peak memory is the model plus one tensor.
+peak memory is the model plus one tensor. A tensor-parallel rank (``split``) reads only its part
+of each sharded tensor (safetensors slices: only those bytes) and only its own routed experts.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from ..parallel import SINGLE, TensorSplit, shards
 from . import native, quant
 from .formats import native_problem
 from .names import is_mtp, to_reference
@@ -168,15 +170,48 @@ def _check(target: str, value: Stored, scale: Stored | None, want: tuple[int, ..
     return None
 
 
-def read_tensor(plan: Plan, handles: dict[Path, object], block: tuple[int, int]) -> torch.Tensor:
-    """The stored value of one model tensor, dequantized to float32 when it is quantized."""
-    value = handles[plan.value.file].get_tensor(plan.value.name)
+Part = tuple[int, int, int]      # (dim, start, length): a tensor-parallel rank's slice
+
+
+def _read(handles: dict[Path, object], stored: Stored, part: Part | None = None) -> torch.Tensor:
+    """A stored tensor, or only its ``part`` (safetensors reads just those bytes)."""
+    if part is None:
+        return handles[stored.file].get_tensor(stored.name)
+    dim, start, length = part
+    index = (slice(None),) * dim + (slice(start, start + length),)
+    return handles[stored.file].get_slice(stored.name)[index]
+
+
+def _read_quantized(plan: Plan, handles, block: tuple[int, int], part: Part | None
+                    ) -> tuple[torch.Tensor, torch.Tensor, Part | None]:
+    """(stored values, their scales, what to keep of the dequantized values; None: all) of a
+    quantized tensor's ``part``, read in the whole scale blocks that cover it."""
+    if part is None:
+        return _read(handles, plan.value), _read(handles, plan.scale), None
+    dim, start, length = part
+    per = 2 if plan.value.code in _PACKED_FP4_CODES and dim == len(plan.value.shape) - 1 else 1
+    fp4 = plan.value.code not in _FP8_CODES
+    b = (1, quant.FP4_BLOCK)[dim] if fp4 else block[dim]
+    lo, hi = start // b, -(-(start + length) // b)
+    v0, v1 = lo * b, min(hi * b, plan.value.shape[dim] * per)
+    value = _read(handles, plan.value, (dim, v0 // per, (v1 - v0) // per))
+    scale = _read(handles, plan.scale, (dim, lo, hi - lo))
+    keep = None if (v0, v1) == (start, start + length) else (dim, start - v0, length)
+    return value, scale, keep
+
+
+def read_tensor(plan: Plan, handles: dict[Path, object], block: tuple[int, int],
+                part: Part | None = None) -> torch.Tensor:
+    """The stored value of one model tensor (only its ``part`` when given), dequantized to
+    float32 when it is quantized."""
     if plan.scale is None:
-        return value
-    scale = handles[plan.scale.file].get_tensor(plan.scale.name)
+        return _read(handles, plan.value, part)
+    value, scale, keep = _read_quantized(plan, handles, block, part)
     if plan.value.code in _FP8_CODES:
-        return quant.dequant_fp8(value, scale, block)
-    return quant.dequant_fp4(value, scale)
+        value = quant.dequant_fp8(value, scale, block)
+    else:
+        value = quant.dequant_fp4(value, scale)
+    return value if keep is None else value.narrow(*keep)
 
 
 def check_values(plan: Plan, value: torch.Tensor, config) -> None:
@@ -198,7 +233,8 @@ def check_values(plan: Plan, value: torch.Tensor, config) -> None:
 
 
 def load_native(plan: Plan, handles: dict[Path, object], block: tuple[int, int],
-                weight: torch.Tensor, scale: torch.Tensor, options, config) -> None:
+                weight: torch.Tensor, scale: torch.Tensor, options, config,
+                part: Part | None = None) -> None:
     """Fill a quantized model weight and its scale: the stored bytes where the checkpoint holds
     the same format (FP8 in the kernels' 128x128 blocks, or packed FP4), else the stored value
     (dequantized when quantized) quantized as the checkpoints are."""
@@ -207,13 +243,14 @@ def load_native(plan: Plan, handles: dict[Path, object], block: tuple[int, int],
         plan.value.code in _PACKED_FP4_CODES + _FP4_CODES if fp4
         else plan.value.code in _FP8_CODES and block == quant.DEFAULT_FP8_BLOCK)
     if not same_format:
-        value = read_tensor(plan, handles, block)
+        value = read_tensor(plan, handles, block, part)
         if options.check_weights:
             check_values(plan, value, config)
         native.copy_quantized(weight, scale, value)
         return
-    value = handles[plan.value.file].get_tensor(plan.value.name)
-    stored_scale = handles[plan.scale.file].get_tensor(plan.scale.name)
+    value, stored_scale, keep = _read_quantized(plan, handles, block, part)
+    if keep is not None:       # the split keeps a native model's slices in whole blocks
+        raise ValueError(f"{plan.value.name}: the rank's slice {part} is not whole scale blocks")
     if options.check_weights:
         check_values(plan, quant.dequant_fp4(value, stored_scale) if fp4
                     else quant.dequant_fp8(value, stored_scale, block), config)
@@ -227,7 +264,7 @@ def fp8_block_size(raw_config: dict) -> tuple[int, int]:
 
 
 def load_model(path, device="cpu", dtype: torch.dtype = torch.bfloat16, on_tensor=None,
-               options=None, weights: str | None = None):
+               options=None, weights: str | None = None, split: TensorSplit = SINGLE):
     """Build a DeepseekV4Model from ``path`` (config.json + safetensors) on ``device``.
 
     ``dtype`` is the model's compute dtype for its large weights; parameters the model keeps in
@@ -242,6 +279,8 @@ def load_model(path, device="cpu", dtype: torch.dtype = torch.bfloat16, on_tenso
     ``options``: the model's ``dsv4.Options`` (None: read from the DSV4_* flags now); with
     ``options.check_weights`` every tensor is scanned for NaN/inf and tid2eid for experts out of
     range.
+    ``split``: the tensor-parallel rank's part to build and read (``dsv4.parallel``): the
+    checkpoint is checked against the whole model; the rank reads only its slices and experts.
     """
     from ..config import ModelConfig
     from ..model import DeepseekV4Model
@@ -261,12 +300,14 @@ def load_model(path, device="cpu", dtype: torch.dtype = torch.bfloat16, on_tenso
     if weights is None:
         weights = ("native" if stores_quantized(stored) and not native_problem(config)
                    else "bf16")
-    model = DeepseekV4Model(config, dtype=dtype, device=device, options=options, weights=weights)
+    model = DeepseekV4Model(config, dtype=dtype, device=device, options=options, weights=weights,
+                            split=split)
     targets = model.state_dict()
-    scales = {name[:-len("weight")] + "scale": name for name in targets
-              if name.endswith(".weight") and name[:-len("weight")] + "scale" in targets}
+    whole = targets if split.size == 1 else shards.whole_model_tensors(model)
+    scales = {name[:-len("weight")] + "scale": name for name in whole
+              if name.endswith(".weight") and name[:-len("weight")] + "scale" in whole}
     expected = {k: (native.logical_shape(v) if k in scales.values() else v.shape)
-                for k, v in targets.items() if k not in scales}
+                for k, v in whole.items() if k not in scales}
     plans, mtp = plan_load(stored, expected, config.n_layers, block, path)
     if mtp:
         logger.info("skipping %d MTP tensors (this model has no MTP layers), e.g. %s",
@@ -275,11 +316,15 @@ def load_model(path, device="cpu", dtype: torch.dtype = torch.bfloat16, on_tenso
     with contextlib.ExitStack() as stack, torch.no_grad():
         handles = {f: stack.enter_context(safe_open(f, framework="pt")) for f in files}
         for plan in plans:
+            if plan.target not in targets:
+                continue                      # another rank's routed expert
+            part = shards.part_range(split, plan.target, expected[plan.target])
             scale = targets.get(plan.target[:-len("weight")] + "scale")
             if scale is not None:
-                load_native(plan, handles, block, targets[plan.target], scale, options, config)
+                load_native(plan, handles, block, targets[plan.target], scale, options, config,
+                            part)
                 continue
-            value = read_tensor(plan, handles, block)
+            value = read_tensor(plan, handles, block, part)
             if options.check_weights:
                 check_values(plan, value, config)
             targets[plan.target].copy_(value)
