@@ -60,11 +60,7 @@ PIN_FILE = ROOT / "requirements" / "mutation.txt"
 # Node id prefixes of the tests that start Python subprocesses (deselected unless
 # --keep-subprocess-tests).
 SUBPROCESS_TESTS = (
-    "tests/runtime/test_runtime_cli.py::test_generate_reports",
     "tests/runtime/test_runtime_cli.py::test_readme_main_command",
-    "tests/runtime/test_runtime_cli.py::test_one_new_token",
-    "tests/runtime/test_runtime_cli.py::test_prompts_and_sampling",
-    "tests/runtime/test_runtime_cli.py::test_checkpoint_with_a_tokenizer",
     "tests/runtime/test_runtime_cli.py::test_debug_shows_the_traceback",
     "tests/kernels/test_bench_set_kv.py",
     "tests/kernels/test_triton_aot.py",

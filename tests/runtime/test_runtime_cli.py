@@ -1,6 +1,7 @@
 """`python -m dsv4 generate`: the tokens it prints, the prefill/decode report, prompts,
-sampling, a checkpoint with a tokenizer (in subprocesses); one-line errors with exit status 2,
-found before the model is built, and the report's wording (in this process)."""
+sampling, a checkpoint with a tokenizer, one-line errors with exit status 2 found before the model
+is built, and the report's wording, run in this process through dsv4.cli.main; the README's main
+command and --debug's traceback in a subprocess, as a user starts them."""
 
 import argparse
 import json
@@ -35,12 +36,23 @@ def finish(proc, rc=0):
     return out, err
 
 
-def generate(*args):
-    """A short run of the tiny preset (the fastest); ARGS come last and may name another."""
-    out, err = finish(cli("generate", "--json", "--preset", "tiny", "--batch", "3",
-                          "--prompt-len", "16", "--max-new-tokens", "5", *args))
-    lines = out.strip().splitlines()
-    return lines[:-1], json.loads(lines[-1]), err
+@pytest.fixture
+def generate(capsys, flag_env, one_thread):
+    """`python -m dsv4 generate --json`, a short run of the tiny preset (the fastest), in this
+    process with no DSV4_* flag set; ARGS come last and may name another preset. Returns the
+    printed lines before the JSON, the JSON report and stderr."""
+    from dsv4.cli import main
+
+    def run(*args):
+        flag_env()
+        rc = main(["generate", "--json", "--preset", "tiny", "--batch", "3", "--prompt-len",
+                   "16", "--max-new-tokens", "5", *args])
+        out, err = capsys.readouterr()
+        assert rc == 0, err
+        lines = out.strip().splitlines()
+        return lines[:-1], json.loads(lines[-1]), err
+
+    return run
 
 
 def printed_tokens(text):
@@ -54,7 +66,7 @@ def printed_tokens(text):
 
 
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
-def test_generate_reports_prefill_decode_and_pool_usage(graph):
+def test_generate_reports_prefill_decode_and_pool_usage(generate, graph):
     text, r, err = generate("--graph" if graph else "--no-graph")
     assert KEYS <= set(r)
     assert r["graph"] is graph and r["decode_steps"] == 4
@@ -96,34 +108,35 @@ def test_readme_main_command_prints_the_engines_tokens(one_thread):
     assert all(1 <= len(t) <= 16 for t in want)
 
 
-def test_one_new_token_has_no_decode_step():
+def test_one_new_token_has_no_decode_step(generate):
     text, r, _ = generate("--max-new-tokens", "1", "--no-graph")
     assert r["decode_steps"] == 0 and r["decode_tokens_per_s"] is None
     assert [len(t) for t in r["tokens"]] == [1, 1, 1]
     assert "decode: no decode step (every request ended at its first token)" in text
 
 
-def test_prompts_and_sampling(tmp_path):
+def test_prompts_and_sampling(generate, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("5,6,7\n\n8, 9\n")
-    tiny = ("generate", "--json", "--preset", "tiny", "--no-graph")
+    sampled = ("--batch", "2", "--ignore-eos", "--temperature", "1.5", "--top-k", "50",
+               "--top-p", "0.9", "--seed", "3")
     runs = {
-        "ids": cli(*tiny, "--prompt-ids", "3,4,5,6", "--ignore-eos"),
-        "file": cli(*tiny, "--prompt-file", str(prompts)),
-        "greedy": cli(*tiny, "--batch", "2", "--ignore-eos"),
-        "sampled": cli(*tiny, "--batch", "2", "--ignore-eos", "--temperature", "1.5", "--top-k",
-                       "50", "--top-p", "0.9", "--seed", "3"),
-        "again": cli(*tiny, "--batch", "2", "--ignore-eos", "--temperature", "1.5", "--top-k",
-                     "50", "--top-p", "0.9", "--seed", "3"),
+        "ids": ("--prompt-ids", "3,4,5,6", "--ignore-eos", "--no-graph"),
+        "file": ("--prompt-file", str(prompts), "--no-graph"),
+        "greedy": ("--batch", "2", "--ignore-eos", "--no-graph"),
+        "sampled": (*sampled, "--no-graph"),
+        "again": (*sampled, "--no-graph"),
     }
-    r = {k: json.loads(finish(p)[0].strip().splitlines()[-1])["tokens"] for k, p in runs.items()}
-    assert len(r["ids"]) == 1 and len(r["ids"][0]) == 16
-    assert len(r["file"]) == 2
+    reports = {k: generate(*args)[1] for k, args in runs.items()}
+    r = {k: report["tokens"] for k, report in reports.items()}
+    assert len(r["ids"]) == 1 and len(r["ids"][0]) == 5
+    assert reports["ids"]["passes"][0]["prompt_tokens"] == 4
+    assert len(r["file"]) == 2 and reports["file"]["passes"][0]["prompt_tokens"] == 5
     assert r["sampled"] == r["again"]          # a seed gives the same tokens
     assert r["sampled"] != r["greedy"]
 
 
-def test_checkpoint_with_a_tokenizer_prints_text(tmp_path):
+def test_checkpoint_with_a_tokenizer_prints_text(generate, tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     save_random_checkpoint(ModelConfig.preset("tiny"), tmp_path, seed=1, shards=1)
