@@ -115,6 +115,12 @@ def test_triton_variants_give_every_kernel_argument_once(arch):
             assert constexprs["FP8_NAN"] == dialect.nan_byte, name
         if "PAGE_BYTES" in constexprs:
             assert constexprs["PAGE_BYTES"] == L.page_bytes(constexprs["PAGE_SIZE"]), name
+    # the indexer's two variants compile the weight and score types their names say
+    scores = {name: v[1] for name, v in variants.items() if name.startswith("indexer_scores")}
+    assert {(sig["w_ptr"], sig["out_ptr"]) for name, sig in scores.items()
+            if "(bf16" in name} == {("*bf16", "*bf16")}
+    assert {(sig["w_ptr"], sig["out_ptr"]) for name, sig in scores.items()
+            if "(fp32" in name} == {("*fp32", "*fp32")}
 
 
 def test_triton_report_rows_name_arch_dialect_kernel_and_use(monkeypatch):

@@ -326,6 +326,22 @@ def test_every_generate_option_says_its_default():
     assert "(default 16)" in generate.format_help()
 
 
+def test_every_option_of_every_command_is_explained_in_its_help():
+    from dsv4.cli import build_parser
+
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0]
+    assert set(commands.choices) == {"env", "generate"}
+    top = parser.format_help()
+    for choice in commands._choices_actions:   # each command's line in `python -m dsv4 --help`
+        assert choice.help and choice.dest in top, choice.dest
+    for name, sub in commands.choices.items():
+        text = sub.format_help()
+        for action in sub._actions:
+            for option in action.option_strings:
+                assert action.help and option in text, (name, option)
+
+
 def test_debug_shows_the_traceback():
     _, err = finish(cli("generate", "--batch", "0", "--debug"), rc=1)
     assert "Traceback" in err and "UsageError: --batch must be >= 1, got 0" in err
