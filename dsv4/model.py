@@ -56,22 +56,24 @@ class DeepseekV4DecoderLayer(nn.Module):
             self.register_parameter(f"hc_{part}_base", _f32(device, mix))
             self.register_parameter(f"hc_{part}_scale", _f32(device, 3))
 
-    def _hc_pre(self, x: torch.Tensor, part: str, options: Options):
+    def _hc_pre(self, x: torch.Tensor, part: str, options: Options, norm: RMSNorm | None = None):
+        """mHC pre of the attn or ffn part; with norm (attn_norm / ffn_norm) the block input
+        comes out normed, in the same op."""
         c = self.config
         return mhc.hc_pre(x, getattr(self, f"hc_{part}_fn"), getattr(self, f"hc_{part}_scale"),
                           getattr(self, f"hc_{part}_base"), c.norm_eps, c.hc_sinkhorn_iters,
-                          c.hc_eps, reference=options.reference, options=options.kernel)
+                          c.hc_eps, reference=options.reference, options=options.kernel,
+                          norm=norm)
 
     def attn_input(self, x: torch.Tensor, options: Options):
         """mHC pre + attn_norm: (y [N, dim], post, comb) from the hidden copies x [N, hc, dim]."""
-        y, post, comb = self._hc_pre(x, "attn", options)
-        return self.attn_norm(y), post, comb
+        return self._hc_pre(x, "attn", options, self.attn_norm)
 
     def ffn_block(self, x: torch.Tensor, input_ids: torch.Tensor,
                   options: Options) -> torch.Tensor:
         """The whole FFN half: mHC pre, ffn_norm, MoE, mHC post."""
-        y, post, comb = self._hc_pre(x, "ffn", options)
-        return mhc.hc_post(self.ffn(self.ffn_norm(y), input_ids, options), x, post, comb)
+        y, post, comb = self._hc_pre(x, "ffn", options, self.ffn_norm)
+        return mhc.hc_post(self.ffn(y, input_ids, options), x, post, comb, options.kernel)
 
     # ---- paged execution ----------------------------------------------------------------------
 
@@ -81,7 +83,7 @@ class DeepseekV4DecoderLayer(nn.Module):
         """Hidden copies [N, hc, dim] -> the same after this layer; freqs_cis: the layer's table."""
         y, post, comb = self.attn_input(x, meta.options)
         out = self.paged(y, batch, meta, token_to_kv_pool, freqs_cis, ring_capture)
-        x = mhc.hc_post(out, x, post, comb)
+        x = mhc.hc_post(out, x, post, comb, meta.options.kernel)
         return self.ffn_block(x, batch.input_ids, meta.options)
 
 

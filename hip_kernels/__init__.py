@@ -1,7 +1,8 @@
 """Kernels of the DeepSeek-V4 decode backend: torch references, Triton kernels and HIP C++ for the
-set-KV family (`set_kv`), mHC's split with its Sinkhorn normalisation (`mhc_split`), the sparse
-decode attention (`decode_attention`), the indexer's scores (`indexer_scores`) and the quantized
-linears of the FP8/FP4 checkpoints (`quant_linear`), each a
+set-KV family (`set_kv`), mHC's split with its Sinkhorn normalisation (`mhc_split`), mHC pre
+(+ the block's norm) and post (`mhc_fused`), the MoE's routing, routed and shared experts
+(`moe_fused`), the sparse decode attention (`decode_attention`), the indexer's scores
+(`indexer_scores`) and the quantized linears of the FP8/FP4 checkpoints (`quant_linear`), each a
 dispatcher op of the `dsv4` library (`library`). Every op takes its choices as values:
 `options` (a `KernelOptions`: backend, host checks, aiter) and its numerics.
 
@@ -16,7 +17,9 @@ from .decode_attention import sparse_decode_attention
 from .indexer_scores import indexer_scores
 from .kv_layout import (dequantize_kv_rows, indexer_page_bytes, page_bytes, quantize_kv_rows,
                         read_indexer_rows, read_kv_rows)
+from .mhc_fused import hc_post, hc_pre
 from .mhc_split import hc_split
+from .moe_fused import moe_route, moe_routed, moe_shared
 from .numerics import DEFAULT_NUMERICS, REFERENCE_NUMERICS, StoreNumerics
 from .options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 from .platform import fp8_dialect
@@ -33,6 +36,7 @@ __all__ = [
     "page_bytes", "indexer_page_bytes", "quantize_kv_rows", "dequantize_kv_rows", "read_kv_rows",
     "read_indexer_rows",
     "fused_k_norm_rope_store", "fused_store_cache", "store_kv_pack", "indexer_store",
-    "fused_translate_norm_rope_store", "hc_split", "sparse_decode_attention", "indexer_scores",
+    "fused_translate_norm_rope_store", "hc_split", "hc_pre", "hc_post", "moe_route", "moe_routed",
+    "moe_shared", "sparse_decode_attention", "indexer_scores",
     "act_quant", "ocp_to_fnuz", "fp8_linear", "fp8_grouped_linear", "fp4_grouped_linear",
 ]

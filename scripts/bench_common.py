@@ -11,7 +11,8 @@ Timing (`time_op`): ``warmup`` untimed calls, then ``reps`` timed calls, one sam
   `Timing.summary()` -> {"p50_us", "p90_us", "mean_us", "min_us", "reps", "clock"}; percentiles
   are nearest-rank; clock is "cuda_event" or "perf_counter".
 
-Launch counting (`count_launches`): runs the callable once.
+Launch counting (`count_launches`): runs the callable once. (`count_dispatcher_ops`: the CPU
+  counter below, on any device.)
   GPU, counter "device_kernels": kernels that ``torch.profiler`` saw on the device; memcpy/memset
   are not kernels; device->host copies are reported as ``host_syncs``.
   CPU, counter "cpu_aten_ops": a proxy, the aten ops that would be kernels on a GPU, counted with a
@@ -212,6 +213,12 @@ def count_launches(fn: Callable[[], object], device_tensors=()) -> LaunchCount:
             fn()
             synchronize()
         return _count_device(prof.events())
+    return count_dispatcher_ops(fn, device_tensors)
+
+
+def count_dispatcher_ops(fn: Callable[[], object], device_tensors=()) -> LaunchCount:
+    """count_launches' CPU counter on any device: the dispatcher ops fn() runs (outermost, less
+    views and allocations). Calls nest: an op run inside an inner count is counted by both."""
     counter = _AtenOpCounter(device_tensors)
     tolist_calls = device_tolist_calls = 0
     original = torch.Tensor.tolist

@@ -4,7 +4,8 @@ Read (``WeightReads``): every op of the step runs under a TorchDispatchMode; a t
 that shares a parameter's storage marks the part of the parameter it spans, by rows of the
 parameter's first dim (an expert of a stacked expert tensor, a row of the embedding). View ops
 read nothing. A grouped op (an ``offs`` argument: the sorted (token, expert) pairs' group ends)
-reads only the experts with rows in it; a gather (embedding, index_select, index) only the rows
+reads only the experts with rows in it, and so does ``dsv4::moe_routed`` (the experts its
+``indices`` name); a gather (embedding, index_select, index) only the rows
 it names. The figure is the bytes of the marked rows, each counted once per step.
 
 Native active (``native_active_bytes``): what the same step needs in the published formats
@@ -19,6 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+import hip_kernels  # noqa: F401 (defines the torch.ops.dsv4 ops)
 from dsv4.weights.formats import native_bytes
 
 aten = torch.ops.aten
@@ -26,6 +28,7 @@ aten = torch.ops.aten
 GATHERS = {aten.embedding.default: ("weight", "indices"),
            aten.index_select.default: ("self", "index"),
            aten.index.Tensor: ("self", "indices")}
+ROUTED = torch.ops.dsv4.moe_routed.default    # the routed experts, routed by its indices
 
 
 class WeightReads(TorchDispatchMode):
@@ -60,6 +63,9 @@ class WeightReads(TorchDispatchMode):
         if offs is not None and param.dim() == 3:
             counts = torch.diff(offs.long().cpu(), prepend=torch.zeros(1, dtype=torch.long))
             rows[:counts.numel()] |= counts > 0
+            return
+        if func is ROUTED and param.dim() == 3:
+            rows[named["indices"].reshape(-1).cpu().unique()] = True
             return
         if t.numel() == 0:
             return

@@ -1,23 +1,18 @@
 """Manifold-constrained hyper-connections (mHC): the hidden state carries hc_mult copies.
 
-``hc_pre`` mixes the copies into one block input and returns the ``post`` / ``comb`` weights that
-``hc_post`` uses to write the block output back; ``comb`` is made doubly stochastic by Sinkhorn
-iterations. ``hc_head`` is the final reduction (pre weights only). Shapes: x [N, hc, D].
+``hc_pre`` mixes the copies into one block input (normed by the block's RMSNorm when given its
+weight) and returns the ``post`` / ``comb`` weights that ``hc_post`` uses to write the block
+output back; ``comb`` is made doubly stochastic by Sinkhorn iterations. Each is one dispatcher op
+(``hip_kernels.mhc_fused``). ``hc_head`` is the final reduction (pre weights only). Shapes: x
+[N, hc, D].
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from hip_kernels import KernelOptions, mhc_split
-
-
-def hc_mixes(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
-    """(x.flatten @ fn^T) * rsqrt(mean(x^2) + eps), fp32 [N, fn.shape[0]]."""
-    xf = x.flatten(-2).float()
-    r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)
-    return F.linear(xf, fn.float()) * r
+from hip_kernels import DEFAULT_KERNEL_OPTIONS, KernelOptions, mhc_fused, mhc_split
+from hip_kernels.mhc_fused import hc_mixes
 
 
 def hc_split(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,
@@ -32,19 +27,19 @@ def hc_split(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: i
 
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
            norm_eps: float, iters: int, hc_eps: float, *, reference: bool,
-           options: KernelOptions):
-    """Block input y [N, D] (x's dtype) and the (post, comb) weights for hc_post."""
-    pre, post, comb = hc_split(hc_mixes(x, fn, norm_eps), scale, base, x.shape[-2], iters, hc_eps,
-                               reference=reference, options=options)
-    y = (pre.unsqueeze(-1) * x.float()).sum(-2)
-    return y.to(x.dtype), post, comb
+           options: KernelOptions, norm=None):
+    """Block input y [N, D] (x's dtype) and the (post, comb) weights for hc_post; norm (an
+    ``RMSNorm``, the block's attn_norm / ffn_norm): y comes out normed by it, in the same op."""
+    return mhc_fused.hc_pre(x, fn, scale, base, None if norm is None else norm.weight,
+                            mix_eps=norm_eps, iters=iters, hc_eps=hc_eps,
+                            norm_eps=0.0 if norm is None else norm.eps, reference=reference,
+                            options=options)
 
 
-def hc_post(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
-            comb: torch.Tensor) -> torch.Tensor:
+def hc_post(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+            options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
     """X'_j = post_j * out + sum_i comb[i, j] * X_i, in out's dtype."""
-    mixed = (comb.unsqueeze(-1) * residual.float().unsqueeze(-2)).sum(-3)
-    return (post.unsqueeze(-1) * out.float().unsqueeze(-2) + mixed).to(out.dtype)
+    return mhc_fused.hc_post(out, residual, post, comb, options=options)
 
 
 def hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,

@@ -8,40 +8,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hip_kernels import aiter_ops, fp4_grouped_linear
+from hip_kernels import aiter_ops, moe_route, moe_routed, moe_shared
+from hip_kernels.moe_fused import biased_gate  # noqa: F401 (the aiter tests' oracle)
 from hip_kernels.options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 
 from ..options import Options
 from ..parallel import SINGLE, TensorSplit, sum_over_ranks
 from .quant_linear import frozen, make_linear
-
-
-def gate_scores(logits: torch.Tensor, score_func: str) -> torch.Tensor:
-    """The MoE gate's scores of fp32 logits [N, E]."""
-    if score_func == "softmax":
-        return logits.softmax(-1)
-    if score_func == "sigmoid":
-        return logits.sigmoid()
-    return F.softplus(logits).sqrt()
-
-
-def gate_weights(scores: torch.Tensor, indices: torch.Tensor, score_func: str,
-                 route_scale: float) -> torch.Tensor:
-    """The chosen experts' weights: their scores, renormalised to sum 1 (not after softmax),
-    times the route scale."""
-    weights = scores.gather(1, indices)
-    if score_func != "softmax":
-        weights = weights / weights.sum(-1, keepdim=True)
-    return weights * route_scale
-
-
-def biased_gate(logits: torch.Tensor, bias: torch.Tensor, k: int, route_scale: float,
-                score_func: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch routing of a biased gate: the k experts of largest scores + bias, weighted by
-    their scores. (weights fp32 [N, k], expert indices int64 [N, k])."""
-    scores = gate_scores(logits, score_func)
-    indices = (scores + bias).topk(k, dim=-1)[1]
-    return gate_weights(scores, indices, score_func, route_scale), indices
 
 
 class Gate(nn.Module):
@@ -63,20 +36,22 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor,
                 options: Options) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights fp32 [N, k], expert indices int64 [N, k]). A biased gate is one op on aiter
-        (``aiter_ops.moe_gate``) where options.kernel.aiter and the numerics allow it, else
-        ``biased_gate``."""
-        logits = F.linear(x.float(), self.weight.float())
-        if not self.hash:
+        """(weights fp32 [N, k], expert indices int64 [N, k]): one ``hip_kernels.moe_route`` op
+        (logits, scores, top-k or hash lookup, weights); a biased gate runs its routing on aiter
+        (``aiter_ops.moe_gate``, after the logits) where options.kernel.aiter and the numerics
+        allow it."""
+        if not self.hash and aiter_ops.use_aiter("moe_gate", self.weight, self.bias,
+                                                 aiter=options.kernel.aiter,
+                                                 numerics=options.numerics):
+            logits = F.linear(x.float(), self.weight.float())
             routed = aiter_ops.moe_gate(logits, self.bias, self.topk, self.route_scale,
                                         self.score_func, numerics=options.numerics,
                                         options=options.kernel)
             if routed is not None:
                 return routed
-            return biased_gate(logits, self.bias, self.topk, self.route_scale, self.score_func)
-        scores = gate_scores(logits, self.score_func)
-        indices = self.tid2eid[input_ids.long()]
-        return gate_weights(scores, indices, self.score_func, self.route_scale), indices
+        return moe_route(x, self.weight, self.topk, self.route_scale, self.score_func,
+                         bias=self.bias, tid2eid=getattr(self, "tid2eid", None),
+                         input_ids=input_ids if self.hash else None, options=options.kernel)
 
 
 class Expert(nn.Module):
@@ -89,15 +64,15 @@ class Expert(nn.Module):
         self.w2 = make_linear(inter_dim, dim, native, dtype, device)
         self.w3 = make_linear(dim, inter_dim, native, dtype, device)
         self.swiglu_limit = swiglu_limit
+        self.native = native
 
-    def forward(self, x: torch.Tensor,
-                options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
-        gate = self.w1(x, options).float()
-        up = self.w3(x, options).float()
-        if self.swiglu_limit > 0:
-            gate = gate.clamp(max=self.swiglu_limit)
-            up = up.clamp(-self.swiglu_limit, self.swiglu_limit)
-        return self.w2((F.silu(gate) * up).to(x.dtype), options)
+    def mlp_weights(self) -> dict:
+        """w1, w3, w2 (+ their FP8 scales when native): the weight arguments of
+        ``hip_kernels.moe_shared``."""
+        out = {n: getattr(self, n).weight for n in ("w1", "w3", "w2")}
+        if self.native:
+            out.update({f"{n}_scale": getattr(self, n).scale for n in ("w1", "w3", "w2")})
+        return out
 
 
 class RoutedExperts(nn.Module):
@@ -133,6 +108,13 @@ class RoutedExperts(nn.Module):
                                                                        dtype=dtype, device=device)))
         self._register_state_dict_hook(_per_expert_entries)
         self._register_load_state_dict_pre_hook(_stacked_entries, with_module=True)
+
+    def mlp_weights(self) -> dict:
+        """w1, w3, w2 (+ their FP4 scales when native): the weight arguments of
+        ``hip_kernels.moe_routed``."""
+        names = ("w1", "w3", "w2")
+        return {p: getattr(self, p) for p in names
+                + (tuple(n + "_scale" for n in names) if self.native else ())}
 
     def entries(self):
         """(stacked parameter, per-expert state-dict suffix) pairs: ("w1", "w1.weight"), and
@@ -185,33 +167,11 @@ class MoE(nn.Module):
 
     def routed(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
                options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
-        """sum over each token's chosen experts of weight * expert(x), fp32 [N, dim]; per token
-        the experts are added in ascending expert order."""
-        n, k = indices.shape
-        expert = indices.flatten()
-        order = torch.argsort(expert, stable=True)              # pairs grouped by expert
-        token = order // k
-        counts = torch.zeros(self.n_experts, dtype=torch.int32, device=x.device)
-        counts.scatter_add_(0, expert, torch.ones_like(expert, dtype=torch.int32))
-        offs = counts.cumsum(0, dtype=torch.int32)
-        xs = x[token]
-        w = self.experts
-
-        def grouped(rows, name):
-            if w.native:
-                return fp4_grouped_linear(rows, getattr(w, name), getattr(w, name + "_scale"),
-                                          offs, options=options)
-            return torch._grouped_mm(rows, getattr(w, name).transpose(1, 2), offs=offs)
-
-        gate = grouped(xs, "w1").float()
-        up = grouped(xs, "w3").float()
-        if self.swiglu_limit > 0:
-            gate = gate.clamp(max=self.swiglu_limit)
-            up = up.clamp(-self.swiglu_limit, self.swiglu_limit)
-        h = weights.flatten()[order, None] * (F.silu(gate) * up)
-        out = grouped(h.to(x.dtype), "w2")
-        return torch.zeros(n, x.shape[1], dtype=torch.float32, device=x.device).index_add_(
-            0, token, out.float())
+        """sum over each token's chosen experts of weight * expert(x), fp32 [N, dim], one
+        ``hip_kernels.moe_routed`` op; per token the experts are added in ascending expert
+        order."""
+        return moe_routed(x, weights, indices, **self.experts.mlp_weights(),
+                          swiglu_limit=self.swiglu_limit, options=options)
 
     def local_routing(self, weights: torch.Tensor, indices: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -231,8 +191,12 @@ class MoE(nn.Module):
         return sum_over_ranks(y, self.split)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor, options: Options) -> torch.Tensor:
+        """gate, routed experts, shared expert: three ops (``moe_route``, ``moe_routed``,
+        ``moe_shared``)."""
         weights, indices = self.local_routing(*self.gate(x, input_ids, options))
         y = self.sum_routed_over_ranks(self.routed(x, weights, indices, options.kernel))
-        if self.shared_experts is not None:
-            y += self.shared_experts(x, options.kernel)
-        return y.to(x.dtype)
+        if self.shared_experts is None:
+            return y.to(x.dtype)
+        return moe_shared(y, x, **self.shared_experts.mlp_weights(),
+                          swiglu_limit=self.swiglu_limit, options=options.kernel)
+

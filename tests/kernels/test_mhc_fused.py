@@ -1,0 +1,115 @@
+"""mHC pre (+ the block's RMSNorm) and mHC post as one dispatcher op each: the torch references
+are the model's pre-fusion chain bit for bit, the Triton kernels (under the interpreter) match
+them to a stated tolerance, one op per call, argument checks."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from hip_kernels import mhc_fused, mhc_split  # noqa: E402
+from hip_kernels.platform import default_device  # noqa: E402
+from op_recorder import op_names  # noqa: E402
+from triton_interp_shim import interpreter_shim  # noqa: E402,F401 (autouse fixture)
+
+DEV = default_device()   # the GPU where there is one (Triton compiled), else the CPU (interpreted)
+HC, ITERS, EPS, NORM_EPS = 4, 20, 1e-6, 1e-6
+
+
+def inputs(n, d, seed=0, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    width = (2 + HC) * HC
+    x = torch.randn(n, HC, d, generator=g).to(dtype)
+    fn = torch.randn(width, HC * d, generator=g) / (HC * d) ** 0.5
+    scale = torch.rand(3, generator=g) + 0.5
+    base = torch.randn(width, generator=g)
+    weight = torch.rand(d, generator=g) + 0.5
+    return [t.to(DEV) for t in (x, fn, scale, base, weight)]
+
+
+def pre_fusion_chain(x, fn, scale, base, weight, reference):
+    """What the model ran before the fusion: mixes, hc_split, weighted sum, RMSNorm."""
+    xf = x.flatten(-2).float()
+    mixes = torch.nn.functional.linear(xf, fn) * torch.rsqrt(
+        xf.square().mean(-1, keepdim=True) + EPS)
+    pre, post, comb = mhc_split.hc_split_ref(mixes, scale, base, HC, ITERS, EPS, reference)
+    y = (pre.unsqueeze(-1) * x.float()).sum(-2).to(x.dtype)
+    if weight is None:
+        return y, post, comb
+    yf = y.float()
+    return ((weight * (yf * torch.rsqrt(yf.square().mean(-1, keepdim=True) + NORM_EPS)))
+            .to(x.dtype), post, comb)
+
+
+def call_pre(x, fn, scale, base, weight, backend, reference=True):
+    return torch.ops.dsv4.hc_pre(x, fn, scale, base, weight, EPS, ITERS, EPS, NORM_EPS,
+                                 reference, backend)
+
+
+@pytest.mark.parametrize("reference", [True, False])
+@pytest.mark.parametrize("norm", [True, False])
+def test_the_reference_is_the_pre_fusion_chain_bit_for_bit(reference, norm):
+    x, fn, scale, base, weight = inputs(5, 64, seed=1)
+    weight = weight if norm else None
+    got = call_pre(x, fn, scale, base, weight, "torch", reference)
+    for g, w in zip(got, pre_fusion_chain(x, fn, scale, base, weight, reference)):
+        assert g.dtype == w.dtype and torch.equal(g, w)
+
+
+@pytest.mark.parametrize("n,d", [(1, 64), (3, 96), (8, 256)])
+@pytest.mark.parametrize("norm", [True, False])
+def test_triton_hc_pre_matches_the_reference(n, d, norm):
+    """fp32 in the same order with the same roundings, sums in Triton's order: post and comb to
+    ~1e-5 relative; y (bf16) to one bf16 ulp where a sum lands near a rounding boundary."""
+    x, fn, scale, base, weight = inputs(n, d, seed=n + d)
+    weight = weight if norm else None
+    want = call_pre(x, fn, scale, base, weight, "torch")
+    got = call_pre(x, fn, scale, base, weight, "triton")
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-6)
+    assert got[0].dtype == torch.bfloat16
+    torch.testing.assert_close(got[0].float(), want[0].float(), rtol=2 ** -7, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_hc_post_matches_the_reference(dtype):
+    """Each output is one fp32 sum of hc + 1 products, rounded once to out's dtype; the
+    interpreter sums in the reference's order here (fp32 to 1e-6, bf16 exact)."""
+    g = torch.Generator().manual_seed(5)
+    n, d = 3, 300
+    out = torch.randn(n, d, generator=g).to(dtype).to(DEV)
+    res = torch.randn(n, HC, d, generator=g).to(dtype).to(DEV)
+    post = torch.rand(n, HC, generator=g).to(DEV) * 2
+    comb = torch.rand(n, HC, HC, generator=g).to(DEV)
+    want = torch.ops.dsv4.hc_post(out, res, post, comb, "torch")
+    got = torch.ops.dsv4.hc_post(out, res, post, comb, "triton")
+    assert got.dtype == dtype and got.shape == (n, HC, d)
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-6 if dtype == torch.float32
+                               else 2 ** -8, atol=1e-6)
+
+
+def test_one_dispatcher_op_per_call():
+    x, fn, scale, base, weight = inputs(2, 64)
+    pre = op_names(lambda: mhc_fused.hc_pre(x, fn, scale, base, weight, mix_eps=EPS,
+                                            iters=ITERS, hc_eps=EPS, norm_eps=NORM_EPS))
+    assert pre == ["dsv4::hc_pre"]
+    out, post, comb = (torch.rand(s, device=DEV) for s in ((2, 64), (2, HC), (2, HC, HC)))
+    assert op_names(lambda: mhc_fused.hc_post(out, x, post, comb)) == ["dsv4::hc_post"]
+
+
+def test_bad_arguments_raise_naming_them():
+    x, fn, scale, base, weight = inputs(2, 64)
+    kw = dict(mix_eps=EPS, iters=ITERS, hc_eps=EPS, norm_eps=NORM_EPS)
+    with pytest.raises(ValueError, match="fn must have shape"):
+        mhc_fused.hc_pre(x, fn[:, :-1], scale, base, weight, **kw)
+    with pytest.raises(ValueError, match="norm_weight must have shape"):
+        mhc_fused.hc_pre(x, fn, scale, base, weight[:-1], **kw)
+    with pytest.raises(ValueError, match="iters must be an int >= 1"):
+        mhc_fused.hc_pre(x, fn, scale, base, weight, **{**kw, "iters": 0})
+    with pytest.raises(TypeError, match="x must have dtype"):
+        mhc_fused.hc_pre(x.int(), fn, scale, base, weight, **kw)
+    post, comb = torch.rand(2, HC, device=DEV), torch.rand(2, HC, HC, device=DEV)
+    with pytest.raises(ValueError, match="comb must have shape"):
+        mhc_fused.hc_post(x[:, 0], x, post, comb[:, :2])
+    with pytest.raises(TypeError, match="post must have dtype"):
+        mhc_fused.hc_post(x[:, 0], x, post.double(), comb)
