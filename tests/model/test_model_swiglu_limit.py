@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from dsv4.config import ModelConfig
 from dsv4.layers.moe import Expert, MoE
+from hip_kernels import moe_shared
 
 DIM, INTER = 16, 8
 
@@ -35,8 +36,8 @@ def test_shared_expert_clamps_only_for_a_positive_limit(limit):
                               (expert.w3, (INTER, DIM))):
             linear.weight.copy_(weights(gen, *shape))
     x = torch.randn(5, DIM, generator=gen)
-    with torch.no_grad():
-        got = expert(x)
+    with torch.no_grad():   # what MoE.forward adds to the routed sum (zero here)
+        got = moe_shared(torch.zeros(5, DIM), x, **expert.mlp_weights(), swiglu_limit=limit)
     want = swiglu(x, expert.w1.weight, expert.w2.weight, expert.w3.weight, limit)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     unclamped = swiglu(x, expert.w1.weight, expert.w2.weight, expert.w3.weight, 0.0)
