@@ -261,6 +261,26 @@ def test_a_checkpoints_default_weights_follow_what_it_stores(tmp_path):
     assert weight_format(args(plain, "native"), small) == ("native", "--weights native")
 
 
+@pytest.mark.parametrize("asked, built", [([], "native"), (["--weights", "bf16"], "bf16")])
+def test_the_model_generate_builds_holds_the_format_the_report_names(
+        monkeypatch, capsys, flag_env, one_thread, asked, built):
+    import dsv4
+    from dsv4.cli import main
+
+    class Built(Exception):
+        pass
+
+    def record(config, **kwargs):
+        raise Built(kwargs["weights"])
+
+    flag_env()
+    monkeypatch.setattr(dsv4, "DeepseekV4Model", record)
+    with pytest.raises(Built) as model:
+        main(["generate", "--quiet", "--preset", "small", "--batch", "1", "--prompt-len", "2",
+              "--max-new-tokens", "2", *asked])
+    assert str(model.value) == built
+
+
 def test_the_prefill_is_part_of_the_memory_estimate():
     from dsv4.memory_estimate import PREFILL_BYTES_PER_ROW, estimate
 
