@@ -145,6 +145,41 @@ def test_a_damaged_file_is_a_logged_miss_and_is_removed(tmp_path, caplog, damage
     assert store.used_pages() == 1
 
 
+@pytest.mark.parametrize("meanwhile, warnings", [
+    ("removed", ["is unusable"]),                    # another process got there first: fine
+    ("not removable", ["is unusable", "could not remove unusable page file"]),
+])
+def test_a_damaged_file_that_cannot_be_removed_is_still_a_miss(tmp_path, caplog, monkeypatch,
+                                                               meanwhile, warnings):
+    """Between reading a damaged file and removing it, another process sharing the directory
+    may have removed it (no second warning), or the file may resist removal (said once more);
+    either way the page is a miss and the store forgets it."""
+    import mem_pool.prefix.file_page_store as fps
+
+    store = FilePageStore(tmp_path)
+    store.put("bad", numbered_record(1))
+    path = store.path_of("bad")
+    path.write_bytes(path.read_bytes()[:-1])
+    read_payload = fps.page_file_payload
+
+    def refuse(self, missing_ok=False):
+        raise PermissionError(13, "Permission denied")
+
+    def payload_then(data):
+        if meanwhile == "removed":
+            path.unlink()
+        else:
+            monkeypatch.setattr(fps.Path, "unlink", refuse)
+        return read_payload(data)
+
+    monkeypatch.setattr(fps, "page_file_payload", payload_then)
+    with caplog.at_level(logging.WARNING, logger="mem_pool"):
+        assert store.get("bad") is None
+    got = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(got) == len(warnings) and all(w in g for w, g in zip(warnings, got)), got
+    assert not store.contains("bad") and store.used_pages() == 0
+
+
 def test_temporary_files_are_never_read_and_are_cleaned_at_open(tmp_path):
     writer = FilePageStore(tmp_path)
     writer.put("a", numbered_record(0))
