@@ -2,8 +2,8 @@
 (``split``, ``shards``), its collectives and the torchrun process group. docs/parallel.md."""
 
 from .collectives import gather_columns, sum_over_ranks
-from .group import PeerFailure, end_group, is_peer_failure, start_group
+from .group import end_group, is_peer_failure, start_group
 from .split import SINGLE, TensorSplit, split_problem
 
 __all__ = ["SINGLE", "TensorSplit", "split_problem", "sum_over_ranks", "gather_columns",
-           "start_group", "end_group", "PeerFailure", "is_peer_failure"]
+           "start_group", "end_group", "is_peer_failure"]

@@ -20,10 +20,6 @@ from .split import SINGLE, TensorSplit
 DEFAULT_TIMEOUT_S = 60.0
 
 
-class PeerFailure(RuntimeError):
-    """A collective failed: another rank stopped (crashed, killed) or stopped answering."""
-
-
 def launch_env(env) -> tuple[int, int, int] | None:
     """(rank, world size, local rank) of a torchrun launch, or None outside one."""
     if "WORLD_SIZE" not in env or "RANK" not in env:
@@ -73,7 +69,7 @@ def end_group(split: TensorSplit) -> None:
 def is_peer_failure(e: BaseException) -> bool:
     """Whether ``e`` is how a collective reports a peer that stopped (gloo's closed connection or
     timeout, NCCL's watchdog)."""
-    return isinstance(e, PeerFailure) or isinstance(e, dist.DistBackendError) or (
+    return isinstance(e, dist.DistBackendError) or (
         isinstance(e, RuntimeError) and any(s in str(e) for s in (
             "Connection closed by peer", "Connection reset by peer", "Timed out",
             "timed out", "Broken pipe", "NCCL")))

@@ -4,7 +4,9 @@
 
 The rank builds its part of the random tiny model and of a saved bf16 checkpoint, generates
 greedily with each (``run``, which the test also calls on one rank), and writes
-OUT_DIR/rank<R>.json: tokens, logits, the bytes of its tensors. On 2 ranks, rank 1 then stops
+OUT_DIR/rank<R>.json: tokens, logits, the bytes of its tensors, and the tokens and prefix-cache
+hits of a prompt run twice through an engine whose prefix cache agrees over the ranks' group
+(``cached_run``). On 2 ranks, rank 1 then stops
 dead in the third decode step of ``python -m dsv4 generate --tp 2`` and rank 0 records how its
 own run of the command ended (OUT_DIR/cli_rank0.json).
 """
@@ -27,6 +29,7 @@ from dsv4.engine import Engine
 from dsv4.model import DeepseekV4Model
 from dsv4.parallel import SINGLE, TensorSplit
 from dsv4.random_init import init_random_weights
+from mem_pool.prefix import PrefixCache
 from dsv4.weights.loader import load_model
 
 TINY = ModelConfig.preset("tiny")
@@ -52,8 +55,19 @@ def run(model) -> dict:
     return {"tokens": out.tokens, "logits": out.logits.tolist(), "bytes": tensor_bytes(model)}
 
 
+def cached_run(model, group) -> dict:
+    """A 200-token prompt twice in one engine with a prefix cache: the second pass loads its
+    first page (128 tokens) from the cache."""
+    prompt = [(7 * i) % 500 + 2 for i in range(200)]
+    cache = PrefixCache(128, model.config.window_size, 8, group=group)
+    engine = Engine(model, page_size=128, max_batch=1, max_context_len=256, graph=False,
+                    prefix_cache=cache)
+    runs = [engine.generate([prompt], 2).tokens[0] for _ in range(2)]
+    return {"tokens": runs, "hit_tokens": engine.stats.prefix_hit_tokens}
+
+
 def random_model(config, split: TensorSplit):
-    return init_random_weights(DeepseekV4Model(config, max_seq_len=64, split=split), seed=5)
+    return init_random_weights(DeepseekV4Model(config, max_seq_len=256, split=split), seed=5)
 
 
 def kill_mid_decode(rank: int, out: Path) -> None:
@@ -89,7 +103,8 @@ def main() -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=30))
     split = TensorSplit(rank, world, dist.group.WORLD)
-    result = {"tiny": run(random_model(tiny_config(world), split)),
+    tiny = random_model(tiny_config(world), split)
+    result = {"tiny": run(tiny), "cached": cached_run(tiny, split.group),
               "checkpoint": run(load_model(checkpoint, split=split))}
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()

@@ -1,6 +1,7 @@
 """Tensor and expert parallelism on 2 and 4 gloo ranks (spawned processes, one spawn per world
 size; the worker is tests/helpers/tp_worker.py): greedy tokens equal the one-rank run's and the
-prefill's logits are within LOGIT_ATOL (the split changes where partial sums round), for the random tiny model and a saved checkpoint; each rank holds 1/N of the
+prefill's logits are within LOGIT_ATOL (the split changes where partial sums round), for the random tiny model and a saved checkpoint; an engine whose prefix cache agrees over the
+ranks' group loads the same page on every rank and gives the one-rank tokens; each rank holds 1/N of the
 sharded tensors plus the replicated ones; a rank killed mid-decode ends the other's
 ``generate --tp 2`` with one clear error line instead of a hang. The native (FP8/FP4) split is
 checked in one process: the ranks' parts of each layer add up to the whole layer."""
@@ -39,9 +40,11 @@ def one_rank(checkpoint) -> dict:
     from dsv4.weights.loader import load_model
 
     torch.set_num_threads(1)
-    tiny = {world: tp_worker.run(tp_worker.random_model(tp_worker.tiny_config(world), SINGLE))
+    tiny = {world: tp_worker.random_model(tp_worker.tiny_config(world), SINGLE)
             for world in (2, 4)}
-    return {"tiny": tiny, "checkpoint": tp_worker.run(load_model(checkpoint))}
+    return {"tiny": {w: tp_worker.run(m) for w, m in tiny.items()},
+            "cached": {w: tp_worker.cached_run(m, None) for w, m in tiny.items()},
+            "checkpoint": tp_worker.run(load_model(checkpoint))}
 
 
 def spawn(tmp_path: Path, world: int, checkpoint: Path) -> list[dict]:
@@ -94,6 +97,9 @@ def test_ranks_generate_the_one_rank_tokens(tmp_path, world, checkpoint, one_ran
             assert diff <= LOGIT_ATOL, (case, rank, float(diff))
             assert got["bytes"] == expected_bytes(whole.state_dict(), world, n_experts), \
                 (case, rank)
+    for rank, got in enumerate(r["cached"] for r in results):
+        assert got == one_rank["cached"][world], rank
+        assert got["hit_tokens"] == 128 and got["tokens"][0] == got["tokens"][1], rank
     if world == 2:
         cli = [json.loads((tmp_path / f"cli_rank{r}.json").read_text())
                for r in range(world) if (tmp_path / f"cli_rank{r}.json").exists()]
