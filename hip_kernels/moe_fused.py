@@ -21,6 +21,8 @@ in/2] + ue8m0 [E, out, in/32], ``fp4_grouped_linear``), the shared expert FP8 (+
 scales, ``fp8_linear``). The torch references are the model's code before the fusion op for op
 (the quantized linears through `quant_linear`'s own torch path), so the reference numerics keep
 their bits; the grouped GEMMs' torch path reads the group offsets on the host outside a capture.
+The Triton kernels (`moe_fused_triton`: routing in one launch, routed and shared experts in two
+each) take bf16 weights; FP4 / FP8 experts run the torch path on every backend for now.
 """
 
 from __future__ import annotations
@@ -119,6 +121,10 @@ def moe_shared_ref(routed, x, w1, w3, w2, w1_scale, w3_scale, w2_scale, swiglu_l
 
 
 def _route_impl(x, gate_weight, bias, tid2eid, input_ids, k, route_scale, score_func, backend):
+    if backend == "triton":
+        from .moe_fused_triton import moe_route_triton
+        return moe_route_triton(x, gate_weight, bias, tid2eid, input_ids, k, route_scale,
+                                score_func)
     return moe_route_ref(x, gate_weight, bias, tid2eid, input_ids, k, route_scale, score_func)
 
 
@@ -129,6 +135,9 @@ def _route_fake(x, gate_weight, bias, tid2eid, input_ids, k, *rest):
 
 def _routed_impl(x, weights, indices, w1, w3, w2, w1_scale, w3_scale, w2_scale, swiglu_limit,
                  dialect, backend):
+    if backend == "triton":
+        from .moe_fused_triton import moe_routed_triton
+        return moe_routed_triton(x, weights, indices, w1, w3, w2, swiglu_limit)
     return moe_routed_ref(x, weights, indices, w1, w3, w2, w1_scale, w3_scale, w2_scale,
                           swiglu_limit, dialect)
 
@@ -138,6 +147,9 @@ def _routed_fake(x, *rest):
 
 
 def _shared_impl(routed, x, w1, w3, w2, w1_scale, w3_scale, w2_scale, swiglu_limit, backend):
+    if backend == "triton":
+        from .moe_fused_triton import moe_shared_triton
+        return moe_shared_triton(routed, x, w1, w3, w2, swiglu_limit)
     return moe_shared_ref(routed, x, w1, w3, w2, w1_scale, w3_scale, w2_scale, swiglu_limit)
 
 
@@ -153,6 +165,10 @@ define_op("moe_routed", f"(Tensor x, Tensor weights, Tensor indices, {MLP}, floa
           "str dialect, str backend) -> Tensor", _routed_impl, _routed_fake)
 define_op("moe_shared", f"(Tensor routed, Tensor x, {MLP}, float swiglu_limit, str backend) "
           "-> Tensor", _shared_impl, _shared_fake)
+
+
+def _contiguous(*tensors) -> bool:
+    return all(t.is_contiguous() for t in tensors)
 
 
 def _check_mlp(x, w1, w3, w2, scales, n_experts: int | None) -> None:
@@ -200,8 +216,10 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, k: int, route_scale: f
     else:
         check_tensor("tid2eid", tid2eid, shape=(None, k), device=x.device)
         check_tensor("input_ids", input_ids, shape=(x.shape[0],), device=x.device)
-    backend = resolve("moe_route", x.device, options.backend, triton_ok=False)
-    return ops.moe_route(x, gate_weight, bias, tid2eid, input_ids, k, float(route_scale),
+    backend = resolve("moe_route", x.device, options.backend,
+                      triton_ok=_contiguous(gate_weight, *([] if tid2eid is None else [tid2eid])))
+    return ops.moe_route(x.contiguous(), gate_weight, bias, tid2eid, input_ids, k,
+                         float(route_scale),
                          score_func, backend)
 
 
@@ -222,7 +240,8 @@ def moe_routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, w1
         raise ValueError(f"indices must have x's {x.shape[0]} rows, got {tuple(indices.shape)}")
     scales = (w1_scale, w3_scale, w2_scale)
     _check_mlp(x, w1, w3, w2, scales, w1.shape[0] if isinstance(w1, torch.Tensor) else None)
-    backend = resolve("moe_routed", x.device, options.backend, triton_ok=False)
+    backend = resolve("moe_routed", x.device, options.backend,
+                      triton_ok=scales[0] is None and _contiguous(x, w1, w3, w2))
     return ops.moe_routed(x.contiguous(), weights, indices, w1, w3, w2, *scales,
                           float(swiglu_limit), fp8_dialect().name, backend)
 
@@ -238,6 +257,7 @@ def moe_shared(routed: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w3: torc
     check_tensor("x", x, dim=2)
     check_tensor("routed", routed, dtype=torch.float32, shape=tuple(x.shape), device=x.device)
     _check_mlp(x, w1, w3, w2, (w1_scale, w3_scale, w2_scale), None)
-    backend = resolve("moe_shared", x.device, options.backend, triton_ok=False)
+    backend = resolve("moe_shared", x.device, options.backend,
+                      triton_ok=w1_scale is None and _contiguous(x, w1, w3, w2))
     return ops.moe_shared(routed, x.contiguous(), w1, w3, w2, w1_scale, w3_scale, w2_scale,
                           float(swiglu_limit), backend)

@@ -3,14 +3,21 @@ is the model's pre-fusion chain bit for bit (bf16 weights, and the published FP4
 through the quantized linears' public ops), agrees with a per-token restatement, runs as one op
 per call, and names a bad argument."""
 
+import importlib.util
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from hip_kernels import fp4_grouped_linear, fp8_linear, moe_route, moe_routed, moe_shared
+from hip_kernels import KernelOptions, fp4_grouped_linear, fp8_linear, moe_route, moe_routed, moe_shared
 from hip_kernels.moe_fused import biased_gate, gate_scores, gate_weights
 from hip_kernels.quant_linear_ref import e2m1_to_float, e8m0_to_float
-from op_recorder import op_names
+from hip_kernels.platform import default_device
+from op_recorder import op_names, recorded_calls
+if importlib.util.find_spec("triton") is not None:
+    from triton_interp_shim import interpreter_shim  # noqa: F401 (autouse: bf16 rounds as GPUs)
+
+DEV = default_device()   # the GPU where there is one (Triton compiled), else the CPU (interpreted)
 
 N_EXPERTS, K, DIM, INTER, LIMIT = 8, 2, 128, 256, 7.0
 
@@ -210,3 +217,78 @@ def test_bad_arguments_raise_naming_them():
         moe_route(x, gate_w, 9, 1.0, "sigmoid", bias=torch.zeros(N_EXPERTS))
     with pytest.raises(ValueError, match="routed must have shape"):
         moe_shared(torch.zeros(2, DIM + 1), x, **shared_weights(False))
+
+
+# ---- Triton kernels (bf16 weights), in the interpreter on a CPU ------------------------------
+
+triton_only = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                 reason="needs triton")
+
+
+def on_dev(d: dict) -> dict:
+    return {k: v.to(DEV) for k, v in d.items()}
+
+
+@triton_only
+@pytest.mark.parametrize("score_func", ["sqrtsoftplus", "sigmoid", "softmax"])
+@pytest.mark.parametrize("k", [2, 3])
+def test_triton_route_matches_the_reference(score_func, k):
+    """The same experts (distinct scores here), weights to 1e-5 relative (exp / log in Triton's
+    own rounding, the logits summed in blocks)."""
+    g = gen(20 + k)
+    x = torch.randn(5, DIM, generator=g).bfloat16().to(DEV)
+    gate_w = torch.randn(N_EXPERTS, DIM, generator=g).bfloat16().to(DEV)
+    bias = torch.randn(N_EXPERTS, generator=g).to(DEV)
+    args = (k, 1.5, score_func)
+    want = torch.ops.dsv4.moe_route(x, gate_w, bias, None, None, *args[:3], "torch")
+    got = torch.ops.dsv4.moe_route(x, gate_w, bias, None, None, *args[:3], "triton")
+    assert torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+    tid2eid = torch.randint(0, N_EXPERTS, (30, k), generator=g).to(DEV)
+    ids = torch.randint(0, 30, (5,), generator=g).to(DEV)
+    want = torch.ops.dsv4.moe_route(x, gate_w, None, tid2eid, ids, *args[:3], "torch")
+    got = torch.ops.dsv4.moe_route(x, gate_w, None, tid2eid, ids, *args[:3], "triton")
+    assert torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+
+
+@triton_only
+@pytest.mark.parametrize("n", [1, 3])
+def test_triton_routed_and_shared_match_the_reference(n):
+    """bf16 products rounded where the reference rounds them, fp32 sums in block order: a
+    bf16-rounded intermediate may land one ulp apart, so 2e-2 of the output's scale."""
+    w = on_dev(bf16_experts(seed=21))
+    x, weights, indices = (t.to(DEV) for t in routing(n, seed=22))
+    args = (None, None, None, LIMIT)
+    want = torch.ops.dsv4.moe_routed(x, weights, indices, w["w1"], w["w3"], w["w2"], *args,
+                                     "ocp", "torch")
+    got = torch.ops.dsv4.moe_routed(x, weights, indices, w["w1"], w["w3"], w["w2"], *args,
+                                    "ocp", "triton")
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    s = on_dev(shared_weights(False, seed=23))
+    want_s = torch.ops.dsv4.moe_shared(want, x, s["w1"], s["w3"], s["w2"], *args, "torch")
+    got_s = torch.ops.dsv4.moe_shared(want, x, s["w1"], s["w3"], s["w2"], *args, "triton")
+    assert got_s.dtype == torch.bfloat16
+    torch.testing.assert_close(got_s.float(), want_s.float(), rtol=2e-2,
+                               atol=2e-2 * want_s.abs().max().item())
+
+
+@triton_only
+def test_the_backend_follows_the_weights():
+    """bf16 experts take Triton when asked; FP4 / FP8 ones stay on the torch path."""
+    if DEV.type != "cpu":
+        pytest.skip("the CPU backend choice (the interpreter)")
+    triton = KernelOptions(backend="triton")
+    x, weights, indices = routing(2)
+
+    def backend(fn):
+        (args,) = [a for name, a in recorded_calls(fn) if name.startswith("dsv4::")]
+        return args[-1]
+    assert backend(lambda: moe_routed(x, weights, indices, **bf16_experts(),
+                                      options=triton)) == "triton"
+    assert backend(lambda: moe_routed(x, weights, indices, **fp4_experts(),
+                                      options=triton)) == "torch"
+    assert backend(lambda: moe_routed(x, weights, indices, **bf16_experts())) == "torch"
+    assert backend(lambda: moe_shared(torch.zeros(2, DIM), x, **shared_weights(True),
+                                      options=triton)) == "torch"
