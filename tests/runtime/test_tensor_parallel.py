@@ -123,10 +123,12 @@ def test_a_split_that_does_not_divide_names_tp_and_the_shape():
 
 
 def test_native_ranks_parts_add_up_to_the_whole_layer(tmp_path, monkeypatch):
-    """FP8/FP4 weights: each rank's q heads are the whole model's, its routed experts' sum is
-    exact, and its wo_b partials add up to the whole output within bf16 rounding."""
+    """FP8/FP4 weights: each rank reads only its slices and experts; its q heads are the whole
+    model's, its routed experts' sum is exact, and its wo_b partials add up to the whole output
+    within bf16 rounding."""
     import dsv4.layers.attention as attention
     import dsv4.layers.moe as moe
+    import dsv4.weights.loader as loader
     from dsv4.options import Options
     from dsv4.weights.loader import load_model
 
@@ -134,7 +136,16 @@ def test_native_ranks_parts_add_up_to_the_whole_layer(tmp_path, monkeypatch):
     monkeypatch.setattr(attention, "sum_over_ranks", lambda y, split: y)
     path = save_random_checkpoint(tp_worker.NATIVE, tmp_path, seed=8)
     whole = load_model(path)
+    reads = []
+    read = loader._read
+    monkeypatch.setattr(loader, "_read", lambda h, stored, part=None: reads.append(
+        (stored.name, part)) or read(h, stored, part))
     parts = [load_model(path, split=TensorSplit(r, 2)) for r in range(2)]
+    rank1 = reads[len(reads) // 2:]
+    assert {expert_of(n) for n, _ in rank1} - {None} == set(range(4, 8))   # of 8 experts
+    sliced = [(n, part) for n, part in rank1 if shard_dim(n) is not None
+              or shard_dim(n.replace(".scale", ".weight")) is not None]
+    assert sliced and all(part is not None and part[1] > 0 for _, part in sliced), sliced
     assert whole.weights == "native" and all(p.weights == "native" for p in parts)
     options = Options()
     x = torch.randn(5, whole.config.dim, generator=torch.Generator().manual_seed(0)).bfloat16()
