@@ -184,10 +184,20 @@ def topk_rows(scores: torch.Tensor, k: int, *, numerics: str = "reference",
                          f"{getattr(scores, 'shape', type(scores).__name__)}")
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= scores.shape[1]:
         raise ValueError(f"k={k!r}: expected an int in [0, {scores.shape[1]}] (the row length)")
-    if (use_aiter("topk_rows", scores, aiter=options.aiter, numerics=numerics)
-            and _topk_supported(scores, k)):
-        return _topk_aiter(scores, k)
-    return _topk_torch(scores, k)
+    return topk_by(scores, k, topk_uses_aiter(scores, k, numerics=numerics, options=options))
+
+
+def topk_uses_aiter(scores: torch.Tensor, k: int, *, numerics: str,
+                    options: KernelOptions) -> bool:
+    """Whether ``topk_rows`` runs this call on aiter (the policy, then what topk_plain takes)."""
+    return (use_aiter("topk_rows", scores, aiter=options.aiter, numerics=numerics)
+            and _topk_supported(scores, k))
+
+
+def topk_by(scores: torch.Tensor, k: int, aiter: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``topk_rows`` on the implementation already chosen (``topk_uses_aiter``), unchecked:
+    for the fused ops that contain it."""
+    return _topk_aiter(scores, k) if aiter else _topk_torch(scores, k)
 
 
 def _moe_gate_aiter(logits, bias, k, route_scale, score_func):

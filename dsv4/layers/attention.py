@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from hip_kernels.decode_attention import sparse_attention_rows
+from hip_kernels.grouped_out_proj import grouped_out_proj
 from hip_kernels.options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 
 from ..parallel import SINGLE, TensorSplit, sum_over_ranks
@@ -28,7 +29,6 @@ from .indexer import Indexer
 from .linear import Linear
 from .norm import RMSNorm
 from .quant_linear import make_linear
-from .rope import rope_tail
 
 
 class Attention(nn.Module):
@@ -70,7 +70,7 @@ class Attention(nn.Module):
     def project_q(self, x: torch.Tensor, options: KernelOptions = DEFAULT_KERNEL_OPTIONS
                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """(q [N, H, 512] before its norm, qr [N, q_lora_rank]). options: the FP8 linears'."""
-        qr = self.q_norm(self.wq_a(x, options))
+        qr = self.q_norm(self.wq_a(x, options), options)
         return self.wq_b(qr, options).unflatten(-1, (self.n_heads, self.head_dim)), qr
 
     def project_kv(self, x: torch.Tensor,
@@ -88,12 +88,11 @@ class Attention(nn.Module):
 
     def project_out(self, o: torch.Tensor, freqs_cis: torch.Tensor,
                     options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
-        """[N, H, 512] -> [N, dim]: inverse RoPE, grouped wo_a, wo_b."""
-        o = rope_tail(o, freqs_cis, self.rope_dim, inverse=True)
-        o = o.flatten(1).unflatten(-1, (self.n_groups, -1))
-        w = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
-        t = torch.einsum("ngd,grd->ngr", o, w)
-        return self.sum_partial_output(self.wo_b(t.flatten(1), options))
+        """[N, H, 512] -> [N, dim]: inverse RoPE + grouped wo_a (one op,
+        ``hip_kernels.grouped_out_proj``), wo_b."""
+        t = grouped_out_proj(o, freqs_cis, self.wo_a.weight, self.n_groups, self.rope_dim,
+                             options=options)
+        return self.sum_partial_output(self.wo_b(t, options))
 
     def sum_partial_output(self, y: torch.Tensor) -> torch.Tensor:
         """wo_b's output summed over the tensor-parallel ranks (each holds some of its input

@@ -19,9 +19,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hip_kernels.activation_sim import fp4_quant_dequant, hadamard_rotate
+
 from .linear import Linear
 from .norm import RMSNorm
-from .quant_sim import fp4_quant_dequant, hadamard_rotate
 from .rope import rope_tail
 
 

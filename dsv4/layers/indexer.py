@@ -16,6 +16,8 @@ import torch
 from torch import nn
 
 from hip_kernels import aiter_ops
+from hip_kernels.indexer_query import indexer_query
+from hip_kernels.indexer_topk import indexer_topk
 from hip_kernels.options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 
 from ..options import Options
@@ -23,8 +25,6 @@ from ..parallel import SINGLE, TensorSplit, sum_over_ranks
 from .compressor import Compressor
 from .linear import Linear
 from .quant_linear import make_linear
-from .quant_sim import fp4_quant_dequant, hadamard_rotate
-from .rope import rope_tail
 
 
 class Indexer(nn.Module):
@@ -48,10 +48,10 @@ class Indexer(nn.Module):
 
     def project_q(self, qr: torch.Tensor, freqs_cis: torch.Tensor, reference: bool,
                   options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
-        """Index queries [N, Hi, 128] (RoPE at the token positions, rotated, FP4-simulated)."""
-        q = self.wq_b(qr, options).unflatten(-1, (self.n_local_heads, self.head_dim))
-        q = rope_tail(q, freqs_cis, self.rope_dim)
-        return fp4_quant_dequant(hadamard_rotate(q, reference))
+        """Index queries [N, Hi, 128] (RoPE at the token positions, rotated, FP4-simulated: one
+        op after wq_b, ``hip_kernels.indexer_query``)."""
+        return indexer_query(self.wq_b(qr, options), freqs_cis, self.n_local_heads,
+                             self.rope_dim, reference=reference, options=options)
 
     def head_weights(self, x: torch.Tensor, reference: bool) -> torch.Tensor:
         """Per-head weights [N, Hi]: bf16 (the model dtype) in reference numerics, else fp32."""
@@ -60,16 +60,17 @@ class Indexer(nn.Module):
             w = w.float()
         return w * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
 
-    def select(self, scores: torch.Tensor, visible: torch.Tensor,
-               options: Options) -> torch.Tensor:
+    def select(self, scores: torch.Tensor, visible: torch.Tensor, options: Options,
+               width: torch.Tensor | None = None) -> torch.Tensor:
         """Top-k of scores [N, T] among visible [N, T] rows: int64 [N, min(topk, T)], -1 where a
-        query has fewer visible rows than that (on aiter where options allow it)."""
+        query has fewer visible rows than that (on aiter where options allow it): one op,
+        ``hip_kernels.indexer_topk``. width [N]: each query's candidate count as the reference
+        has it (columns past it, a graph's padding, change nothing)."""
         scores = self.sum_scores_over_ranks(scores)
         k = min(self.topk, scores.shape[1])
-        masked = scores.masked_fill(~visible, float("-inf"))
-        vals, idx = aiter_ops.topk_rows(masked, k, numerics=options.numerics,
-                                        options=options.kernel)
-        return idx.masked_fill(vals == float("-inf"), -1)
+        use_aiter = aiter_ops.topk_uses_aiter(scores, k, numerics=options.numerics,
+                                              options=options.kernel)
+        return indexer_topk(scores, visible, k, use_aiter=use_aiter, width=width)
 
     def sum_scores_over_ranks(self, scores: torch.Tensor) -> torch.Tensor:
         """Each rank's scores sum its own heads: the ranks add them before the top-k (the

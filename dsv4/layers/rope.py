@@ -10,6 +10,8 @@ import math
 
 import torch
 
+from hip_kernels.rotary import apply_rotary_emb, rope_tail  # noqa: F401 (the layers' rotation)
+
 
 def _correction_dim(rotations: float, dim: int, base: float, max_seq_len: int) -> float:
     return dim * math.log(max_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
@@ -56,22 +58,3 @@ def layer_freqs_cis(cfg, ratio: int, max_pos: int, device=None) -> torch.Tensor:
                                     cfg.original_seq_len, cfg.rope_factor, cfg.beta_fast,
                                     cfg.beta_slow, device)
     return precompute_freqs_cis(cfg.rope_head_dim, max_pos, cfg.rope_theta, device=device)
-
-
-def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor,
-                     inverse: bool = False) -> torch.Tensor:
-    """Rotate interleaved pairs (x[2i], x[2i+1]) of x [N, ..., 2K] by freqs_cis [N, K].
-
-    The product is taken in fp32 and rounded to x's dtype; ``inverse`` uses the conjugate.
-    """
-    xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)).contiguous())
-    f = freqs_cis.conj() if inverse else freqs_cis
-    f = f.view(f.shape[0], *([1] * (xc.dim() - 2)), f.shape[-1])
-    return torch.view_as_real(xc * f).flatten(-2).to(x.dtype)
-
-
-def rope_tail(x: torch.Tensor, freqs_cis: torch.Tensor, rope_dim: int,
-              inverse: bool = False) -> torch.Tensor:
-    """x with apply_rotary_emb on its last rope_dim dims (a new tensor)."""
-    rotated = apply_rotary_emb(x[..., -rope_dim:], freqs_cis, inverse)
-    return torch.cat([x[..., :-rope_dim], rotated], -1)

@@ -292,7 +292,7 @@ def test_indexer_store_with_power_of_two_scales_reads_fp4_keys_back_exactly(flag
     power of two per 32-wide block, spanning 2^-20..2^20, are read back bit for bit, torch and
     Triton write the same bytes, and every stored scale is a power of two. The default scale
     (amax / FP8_MAX) loses some of them."""
-    from dsv4.layers.quant_sim import fp4_quant_dequant
+    from hip_kernels.activation_sim import fp4_quant_dequant
 
     g = gen(9)
     n, page_size = 24, 16

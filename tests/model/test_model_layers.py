@@ -12,7 +12,7 @@ from dsv4.layers import mhc
 from dsv4.layers.attention import Attention
 from dsv4.layers.compressor import Compressor
 from dsv4.layers.moe import MoE
-from dsv4.layers.quant_sim import fp4_quant_dequant, hadamard_rotate, round_to_e2m1
+from hip_kernels.activation_sim import fp4_quant_dequant, hadamard_rotate, round_to_e2m1
 from dsv4.layers.rope import (apply_rotary_emb, find_correction_range, layer_freqs_cis,
                               rope_frequencies)
 from hip_kernels import capture

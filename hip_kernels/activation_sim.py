@@ -1,4 +1,6 @@
-"""Quantization simulations the reference applies to activations (quantize, then dequantize).
+"""Quantization simulations the reference applies to activations (quantize, then dequantize),
+used by the model's layers and by the fused ops that contain them (``indexer_query``, the
+compressor's update).
 
 - FP4 e2m1 in 32-wide blocks with power-of-two scales: the indexer's q and compressed keys.
 - The Walsh-Hadamard rotation (scale d^-0.5) applied to the indexer's q and keys before FP4:
@@ -13,7 +15,7 @@ import functools
 
 import torch
 
-from hip_kernels.kv_layout import pow2_ceil_exponent
+from .kv_layout import pow2_ceil_exponent
 
 FP4_MAX = 6.0
 FP4_BLOCK = 32

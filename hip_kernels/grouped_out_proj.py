@@ -1,0 +1,68 @@
+"""The first half of the attention's output projection, as one dispatcher op
+(`torch.ops.dsv4.grouped_out_proj`): the inverse RoPE of each head's last rope_dim dims, then the
+grouped low-rank ``wo_a`` (the heads split into G groups, group g's flattened heads times its own
+[R, H * D / G] block of the weight). ``wo_b`` follows as its own linear (it may be FP8, and a
+tensor-parallel all_reduce follows it).
+
+The torch reference (CPU path and oracle) is the model's expression (``rotary.rope_tail`` with
+the conjugate, an einsum over the groups), so the model's bits are unchanged. There is no Triton kernel yet: on a GPU the op's body runs
+the torch chain (several kernels inside one dispatcher op).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .backend import resolve
+from .checks import check_options, check_tensor
+from .library import define_op, ops
+from .options import DEFAULT_KERNEL_OPTIONS, KernelOptions
+from .rotary import rope_tail
+
+OP = "grouped_out_proj"
+
+
+def grouped_out_proj_ref(o: torch.Tensor, freqs_cis: torch.Tensor, weight: torch.Tensor,
+                         n_groups: int, rope_dim: int) -> torch.Tensor:
+    o = rope_tail(o, freqs_cis, rope_dim, inverse=True)
+    o = o.flatten(1).unflatten(-1, (n_groups, -1))
+    w = weight.view(n_groups, weight.shape[0] // n_groups, -1)
+    return torch.einsum("ngd,grd->ngr", o, w).flatten(1)
+
+
+def _impl(o, freqs_cis, weight, n_groups, rope_dim, backend):
+    return grouped_out_proj_ref(o, freqs_cis, weight, n_groups, rope_dim)
+
+
+def _fake(o, freqs_cis, weight, n_groups, rope_dim, backend):
+    return o.new_empty(o.shape[0], weight.shape[0])
+
+
+define_op(OP, "(Tensor o, Tensor freqs_cis, Tensor weight, int n_groups, int rope_dim, "
+          "str backend) -> Tensor", _impl, _fake)
+
+
+def grouped_out_proj(o: torch.Tensor, freqs_cis: torch.Tensor, weight: torch.Tensor,
+                     n_groups: int, rope_dim: int, *,
+                     options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
+    """[N, n_groups * R] in o's dtype from the attention output o [N, H, D], each token's RoPE
+    factors freqs_cis [N, rope_dim / 2] (complex64, applied conjugated) and wo_a's weight
+    [n_groups * R, H * D / n_groups] (o's dtype)."""
+    check_options(options)
+    check_tensor("o", o, dtypes=(torch.bfloat16, torch.float16, torch.float32), dim=3)
+    n, h, d = o.shape
+    if isinstance(n_groups, bool) or not isinstance(n_groups, int) or n_groups < 1 \
+            or h % n_groups:
+        raise ValueError(f"n_groups={n_groups!r}: expected an int >= 1 dividing the {h} heads")
+    if isinstance(rope_dim, bool) or not isinstance(rope_dim, int) or not 0 < rope_dim <= d \
+            or rope_dim % 2:
+        raise ValueError(f"rope_dim={rope_dim!r}: expected an even int in (0, {d}]")
+    check_tensor("freqs_cis", freqs_cis, dtype=torch.complex64, shape=(n, rope_dim // 2),
+                 device=o.device)
+    check_tensor("weight", weight, dtype=o.dtype, shape=(None, h * d // n_groups),
+                 device=o.device)
+    if weight.shape[0] % n_groups:
+        raise ValueError(f"weight's {weight.shape[0]} rows must split into {n_groups} groups")
+    backend = resolve(OP, o.device, options.backend, triton_ok=False)
+    return ops.grouped_out_proj(o.contiguous(), freqs_cis.contiguous(), weight.contiguous(),
+                                n_groups, rope_dim, backend)

@@ -1,0 +1,68 @@
+"""The lightning indexer's query after its projection, as one dispatcher op
+(`torch.ops.dsv4.indexer_query`): per head, RoPE on the last rope_dim dims at the token's
+position, the Walsh-Hadamard rotation and the FP4 simulation (about forty torch ops unfused).
+
+The torch reference (CPU path and oracle) is the model's chain of ``rotary.rope_tail``,
+``activation_sim.hadamard_rotate`` and ``activation_sim.fp4_quant_dequant``, so the model's bits
+are unchanged. There is no Triton kernel yet: on a GPU the op's body runs
+the torch chain (several kernels inside one dispatcher op).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .activation_sim import fp4_quant_dequant, hadamard_rotate
+from .backend import resolve
+from .checks import check_options, check_tensor
+from .library import define_op, ops
+from .options import DEFAULT_KERNEL_OPTIONS, KernelOptions
+from .rotary import rope_tail
+
+OP = "indexer_query"
+
+
+def indexer_query_ref(q: torch.Tensor, freqs_cis: torch.Tensor, n_heads: int, rope_dim: int,
+                      reference: bool) -> torch.Tensor:
+    q = rope_tail(q.unflatten(-1, (n_heads, -1)), freqs_cis, rope_dim)
+    return fp4_quant_dequant(hadamard_rotate(q, reference))
+
+
+def _impl(q, freqs_cis, n_heads, rope_dim, reference, backend):
+    return indexer_query_ref(q, freqs_cis, n_heads, rope_dim, reference)
+
+
+def _fake(q, freqs_cis, n_heads, rope_dim, reference, backend):
+    return q.new_empty(q.shape[0], n_heads, q.shape[1] // n_heads)
+
+
+define_op(OP, "(Tensor q, Tensor freqs_cis, int n_heads, int rope_dim, bool reference, "
+          "str backend) -> Tensor", _impl, _fake)
+
+
+def indexer_query(q: torch.Tensor, freqs_cis: torch.Tensor, n_heads: int, rope_dim: int, *,
+                  reference: bool, options: KernelOptions = DEFAULT_KERNEL_OPTIONS
+                  ) -> torch.Tensor:
+    """Index queries [N, n_heads, D] in q's dtype from the projection q [N, n_heads * D] (bf16)
+    and each token's RoPE factors freqs_cis [N, rope_dim / 2] (complex64). D a power of two
+    and a multiple of 32 (the FP4 block). reference: DeepSeek-V4's reference numerics (the
+    rotation's butterflies) or fp32."""
+    check_options(options)
+    check_tensor("q", q, dtypes=(torch.bfloat16, torch.float16, torch.float32), dim=2)
+    if isinstance(n_heads, bool) or not isinstance(n_heads, int) or n_heads < 1 \
+            or q.shape[1] % n_heads:
+        raise ValueError(f"n_heads={n_heads!r}: expected an int >= 1 dividing q's width "
+                         f"{q.shape[1]}")
+    d = q.shape[1] // n_heads
+    if d & (d - 1) or d % 32:
+        raise ValueError(f"q's head dim must be a power of two and a multiple of 32, got {d}")
+    if isinstance(rope_dim, bool) or not isinstance(rope_dim, int) or not 0 < rope_dim <= d \
+            or rope_dim % 2:
+        raise ValueError(f"rope_dim={rope_dim!r}: expected an even int in (0, {d}]")
+    check_tensor("freqs_cis", freqs_cis, dtype=torch.complex64,
+                 shape=(q.shape[0], rope_dim // 2), device=q.device)
+    if not isinstance(reference, bool):
+        raise TypeError(f"reference must be a bool, got {reference!r}")
+    backend = resolve(OP, q.device, options.backend, triton_ok=False)
+    return ops.indexer_query(q.contiguous(), freqs_cis.contiguous(), n_heads, rope_dim,
+                             reference, backend)

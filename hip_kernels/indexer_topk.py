@@ -1,0 +1,95 @@
+"""The lightning indexer's choice of rows, as one dispatcher op (`torch.ops.dsv4.indexer_topk`):
+the top k of each query's scores among its visible rows, -1 where fewer rows are visible.
+
+    masked = scores, -inf where not visible;  (vals, idx) = top k of masked;
+    pick = idx, -1 where vals == -inf
+
+The top-k runs as ``aiter_ops.topk_rows`` chooses (torch's, or aiter's where the caller's options
+and numerics allow it: `use_aiter`, resolved on the host). There is no Triton kernel: on a GPU the
+op's body runs torch's (or aiter's) kernels, still one dispatcher op in a captured step.
+
+``width`` [N] (the reference's candidate count of each query's request, ``seq_len // 4``): the
+columns past it do not exist for the choice, so a row padded to a captured graph's static width
+picks what it picks at its own width, ties included. On a CPU that is torch's topk over exactly
+the first ``width`` columns, as the reference calls it (rows grouped by width, read on the host
+inside the op; torch orders tied values by an algorithm it picks by the row length). On a GPU
+(no host read in a captured step) and on aiter the columns past it are -inf, and the torch path
+breaks ties by the lower column (a unique int64 key per entry), whatever the row length.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import aiter_ops
+from .checks import check_tensor
+from .library import define_op, ops
+
+OP = "indexer_topk"
+
+
+def indexer_topk_ref(scores: torch.Tensor, visible: torch.Tensor, k: int,
+                     use_aiter: bool, width: torch.Tensor | None = None) -> torch.Tensor:
+    masked = scores.masked_fill(~visible, float("-inf"))
+    if width is None:
+        vals, idx = aiter_ops.topk_by(masked, k, use_aiter)
+    elif use_aiter or masked.device.type != "cpu":
+        cols = torch.arange(masked.shape[1], device=masked.device)
+        masked = masked.masked_fill(cols >= width.unsqueeze(1), float("-inf"))
+        vals, idx = aiter_ops.topk_by(masked, k, True) if use_aiter else topk_by_key(masked, k)
+    else:
+        vals, idx = topk_at_width(masked, k, width)
+    return idx.masked_fill(vals == float("-inf"), -1)
+
+
+def topk_by_key(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk of scores [N, T] by a unique int64 key per entry: the value (NaN largest, -0 equal to
+    +0), then the lower column; so -inf columns appended to a row change nothing."""
+    x = scores.float()
+    x = torch.where(x.isnan(), float("nan"), x + 0.0).view(torch.int32).long()
+    value = x ^ ((x >> 31) & 0x7FFFFFFF)                  # monotone in the value
+    col = torch.arange(scores.shape[1], device=scores.device)
+    idx = (value * 2 ** 32 + (2 ** 32 - 1 - col)).topk(k, dim=-1).indices
+    return scores.gather(-1, idx), idx
+
+
+def topk_at_width(scores: torch.Tensor, k: int,
+                  width: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's torch topk of its first width columns (k or fewer), -inf / 0 after them.
+    CPU tensors only: the widths are read on the host (no device to wait for; the op's body is
+    one step of a CPU graph, whose capture refuses host reads in the code around ops)."""
+    vals = scores.new_full((scores.shape[0], k), float("-inf"))
+    idx = torch.zeros(scores.shape[0], k, dtype=torch.int64, device=scores.device)
+    width = width.clamp(0, scores.shape[1])
+    for w in map(int, width.unique()):
+        rows = (width == w).nonzero().flatten()
+        kw = min(k, w)
+        if kw:
+            vals[rows, :kw], idx[rows, :kw] = scores[rows, :w].topk(kw, dim=-1)
+    return vals, idx
+
+
+def _fake(scores, visible, k, use_aiter, width=None):
+    return scores.new_empty(scores.shape[0], k, dtype=torch.int64)
+
+
+define_op(OP, "(Tensor scores, Tensor visible, int k, bool use_aiter, Tensor? width=None) "
+          "-> Tensor", indexer_topk_ref, _fake)
+
+
+def indexer_topk(scores: torch.Tensor, visible: torch.Tensor, k: int, *,
+                 use_aiter: bool, width: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 [N, k] column indices of the k largest visible scores of each row of scores
+    [N, T] (visible: bool [N, T]), in descending order, -1 past a row's visible count.
+    use_aiter: ``aiter_ops.topk_uses_aiter`` for this call (decided by the caller). width
+    (int64 [N], optional): each row's candidate count; columns past it are never picked and
+    do not change the choice (see the module docstring)."""
+    check_tensor("scores", scores, dim=2)
+    check_tensor("visible", visible, dtype=torch.bool, shape=tuple(scores.shape),
+                 device=scores.device)
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= scores.shape[1]:
+        raise ValueError(f"k={k!r}: expected an int in [0, {scores.shape[1]}] (the row length)")
+    if width is not None:
+        check_tensor("width", width, dtype=torch.int64, shape=(scores.shape[0],),
+                     device=scores.device)
+    return ops.indexer_topk(scores, visible, k, bool(use_aiter), width)

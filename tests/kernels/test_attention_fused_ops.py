@@ -1,0 +1,73 @@
+"""The attention's fused dispatcher ops against the unfused chains they replace (bit for bit:
+the torch reference of each op is that chain), one op per call, argument checks:
+indexer_query (RoPE + Hadamard + FP4 of the index queries), indexer_topk (masked top-k),
+grouped_out_proj (inverse RoPE + grouped wo_a)."""
+
+import pytest
+import torch
+
+from hip_kernels import KernelOptions
+from hip_kernels.activation_sim import fp4_quant_dequant, hadamard_rotate
+from hip_kernels.grouped_out_proj import grouped_out_proj
+from hip_kernels.indexer_query import indexer_query
+from hip_kernels.indexer_topk import indexer_topk
+from hip_kernels.rotary import rope_tail
+from op_recorder import op_names
+
+TORCH = KernelOptions(backend="torch")
+
+
+def freqs(n, rope, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.polar(torch.ones(n, rope // 2), torch.rand(n, rope // 2, generator=g) * 6.3)
+
+
+def randn(*shape, seed, scale=1.0, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+
+@pytest.mark.parametrize("reference", [True, False])
+def test_indexer_query_is_the_unfused_chain(reference):
+    n, h, d, rope = 5, 4, 128, 64
+    q, f = randn(n, h * d, seed=1, scale=2), freqs(n, rope, 2)
+    want = fp4_quant_dequant(hadamard_rotate(rope_tail(q.view(n, h, d), f, rope), reference))
+    got = indexer_query(q, f, h, rope, reference=reference, options=TORCH)
+    assert got.shape == (n, h, d) and torch.equal(got, want)
+    assert op_names(lambda: indexer_query(q, f, h, rope, reference=reference)) == [
+        "dsv4::indexer_query"]
+
+
+def test_indexer_topk_keeps_the_visible_best():
+    scores = torch.tensor([[0.5, 3.0, 2.0, 9.0], [1.0, 4.0, -2.0, 0.0]])
+    visible = torch.tensor([[True, True, True, False], [False, True, False, False]])
+    pick = indexer_topk(scores, visible, 3, use_aiter=False)
+    assert pick.tolist() == [[1, 2, 0], [1, -1, -1]]
+    assert op_names(lambda: indexer_topk(scores, visible, 3, use_aiter=False)) == [
+        "dsv4::indexer_topk"]
+
+
+def test_grouped_out_proj_is_the_unfused_chain():
+    n, h, d, g, r, rope = 3, 8, 64, 2, 16, 32
+    o, f = randn(n, h, d, seed=3), freqs(n, rope, 4)
+    w = randn(g * r, h * d // g, seed=5, scale=0.1)
+    x = rope_tail(o, f, rope, inverse=True).flatten(1).unflatten(-1, (g, -1))
+    want = torch.einsum("ngd,grd->ngr", x, w.view(g, r, -1)).flatten(1)
+    got = grouped_out_proj(o, f, w, g, rope, options=TORCH)
+    assert got.dtype == o.dtype and torch.equal(got, want)
+    assert op_names(lambda: grouped_out_proj(o, f, w, g, rope)) == ["dsv4::grouped_out_proj"]
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: indexer_query(torch.zeros(2, 96, dtype=torch.bfloat16), freqs(2, 64, 0), 1, 64,
+                           reference=True), "power of two"),
+    (lambda: indexer_query(torch.zeros(2, 256, dtype=torch.bfloat16), freqs(3, 64, 0), 2, 64,
+                           reference=True), r"freqs_cis must have shape \[2, 32\]"),
+    (lambda: indexer_topk(torch.zeros(2, 4), torch.ones(2, 4, dtype=torch.bool), 5,
+                          use_aiter=False), "k=5"),
+    (lambda: grouped_out_proj(torch.zeros(2, 6, 64, dtype=torch.bfloat16), freqs(2, 32, 0),
+                              torch.zeros(8, 96, dtype=torch.bfloat16), 4, 32), "n_groups=4"),
+])
+def test_bad_arguments_are_refused(call, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        call()
