@@ -19,7 +19,8 @@ import triton.language as tl
 
 from .triton_kv_row import LAUNCH_OPTIONS
 
-BLOCK_D = 256
+BLOCK_D = 32        # hc_pre's row blocks (its mixes hold (2 + hc) hc accumulators of this width)
+POST_BLOCK_D = 128
 
 
 @triton.jit
@@ -130,6 +131,6 @@ def hc_post_triton(out, residual, post, comb):
     n, hc, d = residual.shape
     y = torch.empty(n, hc, d, dtype=out.dtype, device=out.device)
     if n:
-        hc_post_kernel[(n, triton.cdiv(d, BLOCK_D))](out, residual, post, comb, y, d, HC=hc,
-                                                     BLOCK_D=BLOCK_D, **LAUNCH_OPTIONS)
+        hc_post_kernel[(n, triton.cdiv(d, POST_BLOCK_D))](out, residual, post, comb, y, d, HC=hc,
+                                                          BLOCK_D=POST_BLOCK_D, **LAUNCH_OPTIONS)
     return y

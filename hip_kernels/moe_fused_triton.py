@@ -9,7 +9,8 @@ row of its own. gate_up: one program per (pair, block of inter columns): the tok
 its expert's w1 and w3 tiles, both rounded to bf16 (as the grouped GEMM's output), the clamped
 SwiGLU times the pair's weight, rounded to bf16 -> h [pairs, inter]. down: one program per
 (token, block of D columns): the token's k rows of h times their experts' w2 tiles, each
-rounded to bf16 and added in ascending expert order (the reference's index_add order) in fp32.
+rounded to bf16 and added in ascending (expert, slot) order (the reference's index_add order)
+in fp32.
 
 moe_shared, two launches: the same gate_up over the tokens with one expert (weight 1), then a
 down that adds the routed sum and rounds to x's dtype.
@@ -26,8 +27,9 @@ import triton.language as tl
 
 from .triton_kv_row import LAUNCH_OPTIONS
 
-BLOCK_K = 128
-BLOCK_N = 64
+BLOCK_K = 32         # the experts' K blocks (a [BLOCK_N, BLOCK_K] weight tile per load)
+BLOCK_N = 32
+ROUTE_BLOCK_K = 8    # the gate's: a [next_pow2(E), ROUTE_BLOCK_K] tile per load
 SCORE_FUNC_IDS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 
 
@@ -49,14 +51,13 @@ def moe_route_kernel(x_ptr, w_ptr, bias_ptr, tid2eid_ptr, ids_ptr, weights_ptr, 
     e = tl.arange(0, E_PAD)
     e_ok = e < E
     dd = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([E_PAD, BLOCK_K], dtype=tl.float32)
+    logits = tl.zeros([E_PAD], dtype=tl.float32)
     for d0 in range(0, D, BLOCK_K):
         d = d0 + dd
         xv = tl.load(x_ptr + t * D + d, mask=d < D, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + e[:, None].to(tl.int64) * D + d[None, :],
                     mask=e_ok[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)
-        acc += w * xv[None, :]
-    logits = tl.sum(acc, axis=1)
+        logits += tl.sum(w * xv[None, :], axis=1)
     if SCORE == 0:
         z = tl.exp(tl.where(e_ok, logits, float("-inf")) - tl.max(
             tl.where(e_ok, logits, float("-inf")), axis=0))
@@ -109,22 +110,38 @@ def gate_up_kernel(x_ptr, indices_ptr, weights_ptr, w1_ptr, w3_ptr, h_ptr, D, IN
         weight = 1.0
     dd = tl.arange(0, BLOCK_K)
     base = expert * INTER * D + n[:, None].to(tl.int64) * D
-    g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    g = tl.zeros([BLOCK_N], dtype=tl.float32)
+    u = tl.zeros([BLOCK_N], dtype=tl.float32)
     for d0 in range(0, D, BLOCK_K):
         d = d0 + dd
         ok = n_ok[:, None] & (d < D)[None, :]
         xv = tl.load(x_ptr + token * D + d, mask=d < D, other=0.0).to(tl.float32)[None, :]
-        g += tl.load(w1_ptr + base + d[None, :], mask=ok, other=0.0).to(tl.float32) * xv
-        u += tl.load(w3_ptr + base + d[None, :], mask=ok, other=0.0).to(tl.float32) * xv
+        g += tl.sum(tl.load(w1_ptr + base + d[None, :], mask=ok, other=0.0).to(tl.float32)
+                    * xv, axis=1)
+        u += tl.sum(tl.load(w3_ptr + base + d[None, :], mask=ok, other=0.0).to(tl.float32)
+                    * xv, axis=1)
     OUT: tl.constexpr = h_ptr.dtype.element_ty
-    gate = tl.sum(g, axis=1).to(OUT).to(tl.float32)
-    up = tl.sum(u, axis=1).to(OUT).to(tl.float32)
+    gate = g.to(OUT).to(tl.float32)
+    up = u.to(OUT).to(tl.float32)
     if limit > 0:
         gate = tl.minimum(gate, limit)
         up = tl.minimum(tl.maximum(up, -limit), limit)
     h = weight * (gate * tl.sigmoid(gate) * up)
     tl.store(h_ptr + p * INTER + n, h.to(OUT), mask=n_ok)
+
+
+@triton.jit
+def _row_times_w2(h_row, w2, n, n_ok, INTER, BLOCK_K: tl.constexpr):
+    """bf16(h_row . w2[n, :]) for the columns n: [BLOCK_N] fp32."""
+    kk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros(n.shape, dtype=tl.float32)
+    for k0 in range(0, INTER, BLOCK_K):
+        k = k0 + kk
+        hv = tl.load(h_row + k, mask=k < INTER, other=0.0)
+        w = tl.load(w2 + n[:, None].to(tl.int64) * INTER + k[None, :],
+                    mask=n_ok[:, None] & (k < INTER)[None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * hv.to(tl.float32)[None, :], axis=1)
+    return acc.to(h_row.dtype.element_ty).to(tl.float32)
 
 
 @triton.jit
@@ -136,41 +153,22 @@ def down_kernel(h_ptr, indices_ptr, w2_ptr, routed_ptr, out_ptr, D, INTER, E,
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < D
-    kk = tl.arange(0, BLOCK_K)
-    H: tl.constexpr = h_ptr.dtype.element_ty
     if ROUTED:
         out = tl.zeros([BLOCK_N], dtype=tl.float32)
         last = -1
-        for _ in tl.static_range(K):    # the token's experts, smallest first
-            nxt = E
+        for _ in tl.static_range(K):    # the token's pairs by (expert, slot), smallest first
+            key = E * K
             for j in tl.static_range(K):
-                ex = tl.load(indices_ptr + t * K + j)
-                nxt = tl.where((ex > last) & (ex < nxt), ex, nxt)
-            for j in tl.static_range(K):
-                ex = tl.load(indices_ptr + t * K + j)
-                if ex == nxt:
-                    p = t * K + j
-                    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-                    for k0 in range(0, INTER, BLOCK_K):
-                        k = k0 + kk
-                        hv = tl.load(h_ptr + p * INTER + k, mask=k < INTER, other=0.0)
-                        w = tl.load(w2_ptr + ex.to(tl.int64) * D * INTER
-                                    + n[:, None].to(tl.int64) * INTER + k[None, :],
-                                    mask=n_ok[:, None] & (k < INTER)[None, :], other=0.0)
-                        acc += w.to(tl.float32) * hv.to(tl.float32)[None, :]
-                    out += tl.sum(acc, axis=1).to(H).to(tl.float32)
-            last = nxt
+                kj = tl.load(indices_ptr + t * K + j) * K + j
+                key = tl.where((kj > last) & (kj < key), kj, key)
+            p = t * K + key % K
+            out += _row_times_w2(h_ptr + p * INTER, w2_ptr + (key // K) * D * INTER, n, n_ok,
+                                 INTER, BLOCK_K)
+            last = key
         tl.store(out_ptr + t * D + n, out, mask=n_ok)
     else:
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, INTER, BLOCK_K):
-            k = k0 + kk
-            hv = tl.load(h_ptr + t * INTER + k, mask=k < INTER, other=0.0)
-            w = tl.load(w2_ptr + n[:, None].to(tl.int64) * INTER + k[None, :],
-                        mask=n_ok[:, None] & (k < INTER)[None, :], other=0.0)
-            acc += w.to(tl.float32) * hv.to(tl.float32)[None, :]
-        y = tl.load(routed_ptr + t * D + n, mask=n_ok, other=0.0) + tl.sum(acc, axis=1).to(
-            H).to(tl.float32)
+        y = tl.load(routed_ptr + t * D + n, mask=n_ok, other=0.0) + _row_times_w2(
+            h_ptr + t * INTER, w2_ptr, n, n_ok, INTER, BLOCK_K)
         tl.store(out_ptr + t * D + n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -187,7 +185,7 @@ def moe_route_triton(x, gate_weight, bias, tid2eid, input_ids, k, route_scale, s
                                route_scale, K=k, K_PAD=triton.next_power_of_2(k),
                                SCORE=SCORE_FUNC_IDS[score_func],
                                HASH=hash_gate, E_PAD=triton.next_power_of_2(e),
-                               BLOCK_K=BLOCK_K, **LAUNCH_OPTIONS)
+                               BLOCK_K=ROUTE_BLOCK_K, **LAUNCH_OPTIONS)
     return weights, indices
 
 

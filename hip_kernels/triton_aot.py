@@ -85,6 +85,8 @@ def _variants(dialect):
         **_indexer_scores_variants(dialect),
         **_decode_attention_variants(dialect),
         **_quant_linear_variants(dialect),
+        **_mhc_fused_variants(),
+        **_moe_fused_variants(),
     }
 
 
@@ -94,6 +96,41 @@ def _hc_split_variant():
     ptrs = ("mix_ptr", "scale_ptr", "base_ptr", "pre_ptr", "post_ptr", "comb_ptr")
     return hc_split_kernel, {**dict.fromkeys(ptrs, "*fp32"), "n_rows": "i32", "iters": "i32",
                              "eps": "fp32"}, {"HC": 4, "BLOCK_N": BLOCK_N}
+
+
+def _mhc_fused_variants():
+    """mHC pre (+ the block's RMSNorm) and post as the model runs them: hc 4, bf16 hidden."""
+    from . import mhc_fused_triton as M
+
+    pre = {"x_ptr": "*bf16", "fn_ptr": "*fp32", "scale_ptr": "*fp32", "base_ptr": "*fp32",
+           "w_ptr": "*fp32", "out_ptr": "*bf16", "post_ptr": "*fp32", "comb_ptr": "*fp32",
+           "D": "i32:D", "mix_eps": "fp32", "iters": "i32", "hc_eps": "fp32", "norm_eps": "fp32"}
+    post = {"out_ptr": "*bf16", "res_ptr": "*bf16", "post_ptr": "*fp32", "comb_ptr": "*fp32",
+            "y_ptr": "*bf16", "D": "i32:D"}
+    return {"hc_pre (+ norm)": (M.hc_pre_kernel, pre, {"HC": 4, "NORM": True,
+                                                       "BLOCK_D": M.BLOCK_D}),
+            "hc_post": (M.hc_post_kernel, post, {"HC": 4, "BLOCK_D": M.POST_BLOCK_D})}
+
+
+def _moe_fused_variants():
+    """The MoE's bf16 kernels as the Flash config runs them: 256 experts, top 6, sqrt-softplus."""
+    from . import moe_fused_triton as F
+
+    route = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*fp32", "tid2eid_ptr": "*i64",
+             "ids_ptr": "*i64", "weights_ptr": "*fp32", "indices_ptr": "*i64", "D": "i32:D",
+             "E": "i32", "route_scale": "fp32"}
+    mlp = {"x_ptr": "*bf16", "indices_ptr": "*i64", "weights_ptr": "*fp32", "w1_ptr": "*bf16",
+           "w3_ptr": "*bf16", "h_ptr": "*bf16", "D": "i32:D", "INTER": "i32:D", "limit": "fp32"}
+    down = {"h_ptr": "*bf16", "indices_ptr": "*i64", "w2_ptr": "*bf16", "routed_ptr": "*fp32",
+            "out_ptr": "*fp32", "D": "i32:D", "INTER": "i32:D", "E": "i32"}
+    blocks = {"BLOCK_K": F.BLOCK_K, "BLOCK_N": F.BLOCK_N}
+    return {
+        "moe_route (biased)": (F.moe_route_kernel, route, {
+            "K": 6, "K_PAD": 8, "SCORE": F.SCORE_FUNC_IDS["sqrtsoftplus"], "HASH": False,
+            "E_PAD": 256, "BLOCK_K": F.ROUTE_BLOCK_K}),
+        "moe_routed gate_up": (F.gate_up_kernel, mlp, {"K": 6, "ROUTED": True, **blocks}),
+        "moe_routed down": (F.down_kernel, down, {"K": 6, "ROUTED": True, **blocks}),
+    }
 
 
 def _indexer_scores_variants(dialect):

@@ -1,4 +1,4 @@
-"""Every Triton kernel (set-KV, mHC split, indexer scores) compiles ahead of time for MI300
+"""Every Triton kernel (set-KV, mHC split, mHC pre/post, the MoE's, indexer scores) compiles ahead of time for MI300
 (gfx942) and MI350 (gfx950).
 
 Compiled in a subprocess with the interpreter off. Asserts no scratch memory and no spills on
@@ -17,7 +17,8 @@ import pytest
 pytest.importorskip("triton")
 
 from hip_kernels import (decode_attention_triton, indexer_scores_triton,  # noqa: E402
-                         mhc_split_triton, quant_linear_triton, set_kv_triton)
+                         mhc_fused_triton, mhc_split_triton, moe_fused_triton,
+                         quant_linear_triton, set_kv_triton)
 
 ROOT = Path(__file__).resolve().parents[2]
 QUANTIZING = {"fused_k_norm_rope_store", "fused_k_norm_rope_store+q",
@@ -36,7 +37,8 @@ def report():
 
 def test_every_kernel_compiles_for_both_targets(report):
     kernels = {n for mod in (set_kv_triton, mhc_split_triton, indexer_scores_triton,
-                             decode_attention_triton, quant_linear_triton)
+                             decode_attention_triton, quant_linear_triton, mhc_fused_triton,
+                             moe_fused_triton)
                for n in dir(mod) if n.endswith("_kernel")}
     for arch in ("gfx942", "gfx950"):
         assert {r["function"] for r in report if r["arch"] == arch} == kernels
