@@ -30,17 +30,9 @@ def shard_dim(name: str) -> int | None:
 
 
 def expert_of(name: str) -> int | None:
+    """The routed expert a tensor belongs to (a rank holds only its own), None for the others."""
     m = _EXPERT.match(name)
     return None if m is None else int(m.group(1))
-
-
-def holds(split: TensorSplit, name: str, n_experts: int) -> bool:
-    """Whether the rank holds (its part of) ``name``: all but the other ranks' routed experts."""
-    e = expert_of(name)
-    if e is None:
-        return True
-    first = split.start(n_experts)
-    return first <= e < first + n_experts // split.size
 
 
 def part_range(split: TensorSplit, name: str, full_shape) -> tuple[int, int, int] | None:
@@ -57,15 +49,6 @@ def take(split: TensorSplit, name: str, full: torch.Tensor) -> torch.Tensor:
     """The rank's part of a full tensor (a view)."""
     r = part_range(split, name, full.shape)
     return full if r is None else full.narrow(*r)
-
-
-def full_shape(split: TensorSplit, name: str, shape) -> tuple[int, ...]:
-    """The whole tensor's shape of the rank's part of shape ``shape``."""
-    shape = tuple(shape)
-    dim = shard_dim(name)
-    if dim is None:
-        return shape
-    return shape[:dim] + (shape[dim] * split.size,) + shape[dim + 1:]
 
 
 def whole_model_tensors(model) -> dict[str, torch.Tensor]:

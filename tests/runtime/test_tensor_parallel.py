@@ -109,6 +109,21 @@ def test_ranks_generate_the_one_rank_tokens(tmp_path, world, checkpoint, one_ran
         assert "another tensor-parallel rank stopped" in lines[0], lines
 
 
+def test_a_launch_and_a_split_are_checked_before_anything_runs():
+    from dsv4.parallel import start_group
+
+    cpu = torch.device("cpu")
+    assert start_group(1, {}, cpu) is SINGLE                    # no torchrun: one process
+    with pytest.raises(ValueError, match="torchrun --nproc-per-node 2"):
+        start_group(2, {}, cpu)
+    with pytest.raises(ValueError, match="WORLD_SIZE=4"):
+        start_group(2, {"RANK": "0", "WORLD_SIZE": "4"}, cpu)
+    with pytest.raises(ValueError, match="rank must be in 0..1"):
+        TensorSplit(2, 2)
+    with pytest.raises(ValueError, match="size"):
+        TensorSplit(0, 0)
+
+
 def test_a_split_that_does_not_divide_names_tp_and_the_shape():
     tiny = tp_worker.TINY
     assert split_problem(tiny, 2, native=False) is None
