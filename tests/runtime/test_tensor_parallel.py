@@ -6,6 +6,7 @@ sharded tensors plus the replicated ones; a rank killed mid-decode ends the othe
 ``generate --tp 2`` with one clear error line instead of a hang. The native (FP8/FP4) split is
 checked in one process: the ranks' parts of each layer add up to the whole layer."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -149,7 +150,8 @@ def test_native_ranks_parts_add_up_to_the_whole_layer(tmp_path, monkeypatch):
 
     monkeypatch.setattr(moe, "sum_over_ranks", lambda y, split: y)     # added up here instead
     monkeypatch.setattr(attention, "sum_over_ranks", lambda y, split: y)
-    path = save_random_checkpoint(tp_worker.NATIVE, tmp_path, seed=8)
+    two_layers = dataclasses.replace(tp_worker.NATIVE, n_layers=2, compress_ratios=(0, 4))
+    path = save_random_checkpoint(two_layers, tmp_path, seed=8)     # a window and a CSA layer
     whole = load_model(path)
     reads = []
     read = loader._read
