@@ -27,7 +27,7 @@ import torch.distributed as dist
 from dsv4.config import ModelConfig
 from dsv4.engine import Engine
 from dsv4.model import DeepseekV4Model
-from dsv4.parallel import SINGLE, TensorSplit
+from dsv4.parallel import TensorSplit
 from dsv4.random_init import init_random_weights
 from mem_pool.prefix import PrefixCache
 from dsv4.weights.loader import load_model

@@ -20,10 +20,10 @@ from dsv4.parallel import SINGLE, TensorSplit, split_problem
 from dsv4.parallel.shards import expert_of, shard_dim
 from dsv4.weights.saver import save_random_checkpoint
 
+import tp_worker  # tests/helpers, on the path by tests/conftest.py
+
 ROOT = Path(__file__).resolve().parents[2]
 HELPERS = Path(__file__).resolve().parents[1] / "helpers"
-sys.path.insert(0, str(HELPERS))
-import tp_worker  # noqa: E402
 
 # Above the engine's eager-vs-graph tolerance (0.1): each rank's bf16 wo_b partial rounds before
 # the sum; measured up to 0.133 on the prefill (docs/parallel.md, Numerics).
