@@ -5,7 +5,10 @@ For each new token (a query) it says which KV rows it attends and where they liv
 - the sliding window: the SWA slots of its request's last ``window`` positions (itself included),
   via req_to_token -> full location -> SWA slot; the newest of them, the slot its own KV row is
   stored at (``swa_write_loc``), is the pool's translation of ``out_cache_loc``, made once per
-  step and shared by every layer's store and every layer's window;
+  step and shared by every layer's store and every layer's window; and, in an extend, how many
+  window columns the reference's attention walks before the compressed rows (``window_width``:
+  a request prefilled from position 0 with L < window tokens passes min(L, window) columns,
+  valid rows first, so its compressed rows start in an earlier 64-row block);
 - per compress ratio r present in the model: the compressed rows c < (pos + 1) // r, at
   compressed-cache location ``full_loc(c * r) // r`` (a full page maps to one compressed page);
 - per ratio, the compressor plan: for each candidate token, the ``window_rows`` (kv, score) rows
@@ -44,6 +47,8 @@ class CompressPlan:
     state_write: torch.Tensor  # [N] state-ring row of each new token's (kv, score), -1 = skip
     row_loc: torch.Tensor      # [N, C] compressed locations each query may see (0 where invalid)
     row_valid: torch.Tensor    # [N, C] bool: c < (pos + 1) // ratio
+    row_width: torch.Tensor    # [N] the reference's candidate count: seq_len // ratio of the
+    #                            query's request (C may be wider: the rest is padding)
 
 
 @dataclass
@@ -56,6 +61,8 @@ class AttentionMetadata:
     #                                     (int32, = window_loc[:, -1]); None: the store kernels
     #                                     translate out_cache_loc themselves
     options: Options                    # what the step computes with (numerics, kernels, ...)
+    window_width: torch.Tensor | None = None  # [N] window columns before the compressed rows
+    #                                     (extend only; None: all W, as every decode step)
 
 
 def state_ring_rows(req_slots: torch.Tensor, positions: torch.Tensor,
@@ -103,7 +110,17 @@ def build_attention_metadata(batch: ForwardBatch, req_to_token: torch.Tensor,
         n_rows = None if max_rows is None else max_rows.get(ratio)
         plans[ratio] = _compress_plan(batch, ratio, ring, pos, req, seq_len, first_new, full_loc,
                                       n_rows)
-    return AttentionMetadata(pos, window_loc, window_valid, plans, swa_write_loc, options)
+    width = None if batch.is_decode else prefill_window_width(batch, window)[rows_of_token]
+    return AttentionMetadata(pos, window_loc, window_valid, plans, swa_write_loc, options, width)
+
+
+def prefill_window_width(batch: ForwardBatch, window: int) -> torch.Tensor:
+    """[B] window columns of each request of an extend, as the reference passes them: min(L,
+    window) for a request whose L new tokens start at position 0, window for one that extends
+    a cached prefix (the reference only prefills from 0; a decode step always passes window)."""
+    new = batch.extend_seq_lens.long()
+    from_start = batch.seq_lens.long() == new
+    return torch.where(from_start, new.clamp(max=window), window)
 
 
 def _compress_plan(batch, ratio, ring, pos, req, seq_len, first_new, full_loc, n_rows):
@@ -138,4 +155,4 @@ def _compress_plan(batch, ratio, ring, pos, req, seq_len, first_new, full_loc, n
     row_valid = c[None] < visible[:, None]
     row_loc = torch.where(row_valid, full_loc(req[:, None], c[None] * ratio) // ratio, 0)
     return CompressPlan(ratio, ring, tokens, src_state, src_new, p // ratio > 0, window_start,
-                        emit_loc, state_write, row_loc, row_valid)
+                        emit_loc, state_write, row_loc, row_valid, seq_len // ratio)

@@ -16,10 +16,11 @@ GRAPH = bool_flag(
     "DSV4_GRAPH", True,
     "capture and replay decode steps as graphs (HIP graphs on ROCm, emulated on CPU)", PKG)
 GRAPH_BATCH_SIZES = choice_flag(
-    "DSV4_GRAPH_BATCH_SIZES", ("pow2", "every"), "pow2",
-    "decode graphs captured: pow2 = batch 1, 2, 4, ... 64 (and max_batch), a batch replays the "
-    "next one up with padded rows; every = each batch size up to max_batch (no padding, so replay "
-    "gives eager's bits; more graphs to capture and hold)", PKG)
+    "DSV4_GRAPH_BATCH_SIZES", ("pow2", "every"), "every",
+    "decode graphs captured: every = each batch size up to max_batch (no padding, so replay "
+    "gives eager's bits; more graphs to capture and hold); pow2 = batch 1, 2, 4, ... 64 (and "
+    "max_batch), a batch replays the next one up with padded rows, whose GEMM row count can "
+    "change the live rows' last bits", PKG)
 GRAPH_BACKEND = choice_flag(
     "DSV4_GRAPH_BACKEND", ("auto", "cuda", "emulate"), "auto",
     "graph backend: auto = torch.cuda.CUDAGraph where a GPU exists, else the CPU emulation", PKG)

@@ -40,7 +40,7 @@ class Options:
     fused_swa_translate: bool = False
     multi_stream_prepare: bool = False
     graph: bool = True
-    graph_batch_sizes: str = "pow2"
+    graph_batch_sizes: str = "every"
     graph_backend: str = "auto"
     check_weights: bool = True
     prefix_cache: bool = False

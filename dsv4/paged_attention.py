@@ -105,7 +105,7 @@ def select_rows(indexer: Indexer, qr, x, freqs, plan: CompressPlan, rows: slice,
     w = indexer.head_weights(x, options.reference)
     loc, visible = plan.row_loc[rows], plan.row_valid[rows]
     scores = indexer_scores(q, w, cache, loc, visible, page_size, options=options.kernel)
-    pick = indexer.select(scores, visible, options)
+    pick = indexer.select(scores, visible, options, plan.row_width[rows])
     return loc.gather(1, pick.clamp(min=0)), pick >= 0
 
 
@@ -149,7 +149,8 @@ def attend(attn: Attention, q: torch.Tensor, qr: torch.Tensor, x: torch.Tensor,
             if comp:
                 kv.append(read_kv_shared(caches.compressed, comp[0], caches.compressed_page_size))
                 valid.append(comp[1])
-            o = attn.sparse_attention(q[rows], kv, valid, options.reference)
+            width = None if meta.window_width is None else meta.window_width[rows]
+            o = attn.sparse_attention(q[rows], kv, valid, options.reference, width)
         outs.append(attn.project_out(o, freqs[rows], options.kernel))
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 

@@ -41,11 +41,14 @@ ATTN_BLOCK = 64   # rows per block of the reference's sparse attention kernel
 
 
 def sparse_attention_rows(q: torch.Tensor, kv: list[torch.Tensor], valid: list[torch.Tensor],
-                          sink: torch.Tensor, scale: float, reference: bool) -> torch.Tensor:
+                          sink: torch.Tensor, scale: float, reference: bool,
+                          window_width: torch.Tensor | None = None) -> torch.Tensor:
     """q [N, H, 512]; kv: segments of dequantized rows [N, K_i, 512] with valid [N, K_i]
-    (window, compressed); sink [H] -> o [N, H, 512] in q's dtype."""
+    (window, compressed); sink [H] -> o [N, H, 512] in q's dtype. window_width [N] (reference
+    numerics): the window columns, valid rows first, that come before the other segments; the
+    window's remaining columns (all invalid) go after them. None: all of them."""
     if reference:
-        return _blocks(q, kv, valid, sink, scale)
+        return _blocks(q, kv, valid, sink, scale, window_width)
     qf = q.float()
     scores = [torch.einsum("nhd,nkd->nhk", qf, rows.float()).mul_(scale)
               .masked_fill_(~ok.unsqueeze(1), float("-inf")) for rows, ok in zip(kv, valid)]
@@ -67,7 +70,17 @@ def reference_order(loc: torch.Tensor, ok: torch.Tensor) -> tuple[torch.Tensor, 
     return loc.gather(1, order), ok.gather(1, order)
 
 
-def _blocks(q, kv, valid, sink, scale):
+def _narrow_window_last(window_width: torch.Tensor, n_window: int, n_rows: int) -> torch.Tensor:
+    """[N, n_rows] column order that keeps each query's first window_width window columns
+    first, then the other segments' columns, then the rest of the window's."""
+    col = torch.arange(n_rows, device=window_width.device)
+    width = window_width.long()[:, None]
+    key = torch.where(col < n_window, torch.where(col < width, col, col + n_rows),
+                      col - n_window + width)
+    return key.argsort(dim=1)
+
+
+def _blocks(q, kv, valid, sink, scale, window_width=None):
     """The reference kernel's softmax. Only the two running sums are sequential over blocks:
     the scores, each block's max (the running max is their cumulative max), the probabilities
     and every block's P.V product are computed for all blocks at once, giving the same values
@@ -77,6 +90,10 @@ def _blocks(q, kv, valid, sink, scale):
     window = window.gather(1, order.unsqueeze(-1).expand(-1, -1, window.shape[-1]))
     rows = torch.cat([window, *kv[1:]], 1)
     ok = torch.cat([window_ok.gather(1, order), *valid[1:]], 1)
+    if window_width is not None:
+        order = _narrow_window_last(window_width, window.shape[1], rows.shape[1])
+        rows = rows.gather(1, order.unsqueeze(-1).expand(-1, -1, rows.shape[-1]))
+        ok = ok.gather(1, order)
     pad = -rows.shape[1] % ATTN_BLOCK
     if pad:   # the kernel's last block is whole: padding rows keep its sums' shape
         rows = torch.nn.functional.pad(rows, (0, 0, 0, pad))

@@ -78,13 +78,16 @@ class Attention(nn.Module):
         return self.wkv(x, options)
 
     def sparse_attention(self, q: torch.Tensor, kv: list[torch.Tensor],
-                         valid: list[torch.Tensor], reference: bool) -> torch.Tensor:
+                         valid: list[torch.Tensor], reference: bool,
+                         window_width: torch.Tensor | None = None) -> torch.Tensor:
         """q [N, H, 512]; kv: segments of dequantized rows [N, K_i, 512] with valid [N, K_i]
         (window, compressed) -> o [N, H, 512] in q's dtype, one softmax over all segments:
         p_j = exp(s_j - m) / (sum_k exp(s_k - m) + exp(sink_h - m)), in the reference numerics'
         rounding when reference, else in fp32 (``hip_kernels.decode_attention``; over the paged
-        caches the model calls its op, which reads the FP8 rows in place)."""
-        return sparse_attention_rows(q, kv, valid, self.attn_sink, self.softmax_scale, reference)
+        caches the model calls its op, which reads the FP8 rows in place). window_width [N]:
+        the window columns before the compressed rows (an extend's, see AttentionMetadata)."""
+        return sparse_attention_rows(q, kv, valid, self.attn_sink, self.softmax_scale, reference,
+                                     window_width)
 
     def project_out(self, o: torch.Tensor, freqs_cis: torch.Tensor,
                     options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:

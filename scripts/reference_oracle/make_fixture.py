@@ -31,7 +31,10 @@ linear's input dim is a multiple of 128 (the reference's ``act_quant`` asserts i
 stores it as JSON (metadata ``config``). Two cases: ``logits``/``tokens`` as above (batch 1, a
 1-token prefill, then decode), and ``extend_logits`` [2, --extend-decode + 1, vocab] /
 ``extend_tokens`` [2, --extend-prefill + --extend-decode]: a batch of two prompts prefilled
-together (--extend-prefill tokens each), then decoded together, one forced token per step.
+together (--extend-prefill tokens each), then decoded together, one forced token per step; and
+``short_logits`` / ``short_tokens``, the same with prompts shorter than the 128-token window
+(--short-prefill, --short-decode): the reference then passes min(L, window) window columns in the
+prefill, so its compressed rows start in an earlier 64-row block.
 """
 
 from __future__ import annotations
@@ -106,6 +109,10 @@ def main(argv=None) -> None:
                     help="--mode fp8: prompt length of the batch-2 case (default 130)")
     ap.add_argument("--extend-decode", type=int, default=10,
                     help="--mode fp8: decode steps of the batch-2 case (default 10)")
+    ap.add_argument("--short-prefill", type=int, default=40,
+                    help="--mode fp8: prompt length of the batch-2 short-prompt case (default 40)")
+    ap.add_argument("--short-decode", type=int, default=24,
+                    help="--mode fp8: decode steps of the short-prompt case (default 24)")
     ap.add_argument("--out", default=None,
                     help="default: tests/data/reference_logits_<tiny|fp8>_<CPU kernel set>"
                          ".safetensors")
@@ -120,12 +127,13 @@ def main(argv=None) -> None:
         ckpt = save_random_checkpoint(cfg, Path(tmp) / "ckpt", seed=a.seed, quantize=fp8)
         tensors["logits"] = reference_logits(a.reference_dir, ckpt, a.mode, [tokens], 1)[0]
         if fp8:
-            n = a.extend_prefill + a.extend_decode
-            rows = [refdrv.parse_tokens(f"random:{n}:{a.seed + 1 + b}", cfg.vocab_size)
-                    for b in range(2)]
-            tensors["extend_tokens"] = torch.tensor(rows, dtype=torch.int64)
-            tensors["extend_logits"] = reference_logits(a.reference_dir, ckpt, a.mode, rows,
-                                                        a.extend_prefill)
+            for case, prefill, decode in (("extend", a.extend_prefill, a.extend_decode),
+                                          ("short", a.short_prefill, a.short_decode)):
+                rows = [refdrv.parse_tokens(f"random:{prefill + decode}:{a.seed + 1 + b}",
+                                            cfg.vocab_size) for b in range(2)]
+                tensors[f"{case}_tokens"] = torch.tensor(rows, dtype=torch.int64)
+                tensors[f"{case}_logits"] = reference_logits(a.reference_dir, ckpt, a.mode, rows,
+                                                             prefill)
         digest = checkpoint_digest(ckpt)
     model_py = Path(a.reference_dir) / "model.py"
     meta = {"preset": "" if fp8 else "tiny", "checkpoint_seed": str(a.seed),
@@ -135,7 +143,7 @@ def main(argv=None) -> None:
             "cpu_capability": torch.backends.cpu.get_cpu_capability()}
     if fp8:
         meta.update(mode="fp8", quantize="1", config=json.dumps(cfg.to_dict()),
-                    extend_prefill=str(a.extend_prefill))
+                    extend_prefill=str(a.extend_prefill), short_prefill=str(a.short_prefill))
     out = Path(a.out or default_fixture(a.mode))
     out.parent.mkdir(parents=True, exist_ok=True)
     save_file({k: t.contiguous() for k, t in tensors.items()}, str(out), metadata=meta)

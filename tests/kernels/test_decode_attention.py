@@ -193,3 +193,29 @@ def test_bad_arguments_are_named(change, error, match):
         A.sparse_decode_attention(**case(2, 2, 4, 8, 5), reference=1)
     with pytest.raises(TypeError, match="options must be a hip_kernels.KernelOptions, got str"):
         A.sparse_decode_attention(**case(2, 2, 4, 8, 5), reference=False, options="triton")
+
+
+def test_a_narrow_window_puts_the_compressed_rows_after_its_width():
+    """window_width (an extend's prefill from position 0 with L < window tokens): the reference
+    walks the window's first min(L, window) columns (valid rows first), then the compressed rows.
+    Each row gives the bits of that row alone with its window cut to its width, and not those of
+    the full window (the compressed rows would land in a later 64-row block)."""
+    g = gen(12)
+    n, heads, window, comp = 3, 4, 128, 8
+    q = torch.randn(n, heads, L.HEAD_DIM, generator=g).bfloat16()
+    rows = [torch.randn(n, k, L.HEAD_DIM, generator=g).bfloat16().float() for k in (window, comp)]
+    rows[1] = (rows[1] + q[:, :1].float()).bfloat16().float()   # they raise the running max
+    pos = torch.tensor([0, 17, 39])
+    window_valid = (pos[:, None] - torch.arange(window - 1, -1, -1)) >= 0     # oldest first
+    comp_valid = torch.arange(comp) < (pos[:, None] + 1) // 4
+    width = torch.tensor([40, 40, 40]) - torch.tensor([0, 5, 0])
+    sink = torch.randn(heads, generator=g)
+    got = A.sparse_attention_rows(q, rows, [window_valid, comp_valid], sink, 0.04, True, width)
+    full = A.sparse_attention_rows(q, rows, [window_valid, comp_valid], sink, 0.04, True)
+    assert not torch.equal(got, full)
+    for i, w in enumerate(width.tolist()):
+        order = torch.argsort((~window_valid[i]).to(torch.int8), stable=True)[:w]
+        alone = A.sparse_attention_rows(q[i:i + 1], [rows[0][i:i + 1, order], rows[1][i:i + 1]],
+                                        [window_valid[i:i + 1, order], comp_valid[i:i + 1]],
+                                        sink, 0.04, True)
+        assert torch.equal(got[i], alone[0]), i

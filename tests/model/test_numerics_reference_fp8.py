@@ -4,8 +4,10 @@ for bit, the logits of DeepSeek-V4's reference inference code in its published F
 e4m3 per 128 values and runs the block-scaled ``fp8_gemm``, the routed experts ``fp4_gemm``;
 ``wo_a`` runs in bf16 on its dequantized weight). The logits are stored in tests/data by
 ``scripts/reference_oracle/make_fixture.py --mode fp8`` (one fixture per CPU kernel set), for
-two cases: batch 1 (a 1-token prefill, then one forced token per step, 140 positions) and a
-batch of two 130-token prompts prefilled together, then decoded together for 10 forced steps.
+three cases: batch 1 (a 1-token prefill, then one forced token per step, 140 positions), a
+batch of two 130-token prompts prefilled together, then decoded together for 10 forced steps, and
+the same with two 40-token prompts (shorter than the window: the reference's prefill passes 40
+window columns, so its compressed rows start in the first 64-row block) and 24 steps.
 
 ``load_model`` gives a model holding the checkpoint's FP8/FP4 weights (``weights="native"``,
 the default for a quantized checkpoint), which quantizes the activations as the reference does.
@@ -65,13 +67,14 @@ def replayed(tmp_path_factory):
     options = Options()
     model = load_model(path, options=options, weights="native")
     tokens = tensors["tokens"].tolist()
-    rows = tensors["extend_tokens"].tolist()
-    prefill = int(meta["extend_prefill"])
-    return {"decode": (teacher_forced(model, options, [tokens[:1]], [tokens[1:]]),
-                       tensors["logits"].unsqueeze(0)),
-            "extend": (teacher_forced(model, options, [r[:prefill] for r in rows],
-                                      [r[prefill:] for r in rows]),
-                       tensors["extend_logits"])}
+    cases = {"decode": (teacher_forced(model, options, [tokens[:1]], [tokens[1:]]),
+                        tensors["logits"].unsqueeze(0))}
+    for case in ("extend", "short"):
+        rows = tensors[f"{case}_tokens"].tolist()
+        prefill = int(meta[f"{case}_prefill"])
+        cases[case] = (teacher_forced(model, options, [r[:prefill] for r in rows],
+                                      [r[prefill:] for r in rows]), tensors[f"{case}_logits"])
+    return cases
 
 
 def teacher_forced(model, options, prompts, forced):
@@ -85,7 +88,7 @@ def teacher_forced(model, options, prompts, forced):
     return out.logits
 
 
-@pytest.mark.parametrize("case", ["decode", "extend"])
+@pytest.mark.parametrize("case", ["decode", "extend", "short"])
 def test_logits_are_close_to_the_reference_fp8_mode(replayed, case):
     """Holds with bf16-dequantized weights too (measured: mean cosine 0.981 / 0.987, argmax
     agreement 0.79 / 0.82); a fixture of another mode or checkpoint would not pass."""
@@ -96,7 +99,7 @@ def test_logits_are_close_to_the_reference_fp8_mode(replayed, case):
     assert cos.mean() > 0.97 and agree > 0.7, report(got, want)
 
 
-@pytest.mark.parametrize("case", ["decode", "extend"])
+@pytest.mark.parametrize("case", ["decode", "extend", "short"])
 def test_eager_decode_gives_the_reference_fp8_logits_bit_for_bit(replayed, case):
     """Bits are expected from the same torch version and CPU kernel set as the fixture's."""
     if fixture_for_here(FIXTURES) is None:

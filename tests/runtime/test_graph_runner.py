@@ -17,7 +17,7 @@ from hip_kernels.options import KernelOptions
 SENTINEL = -7.0
 N_LAYERS, DIM, WINDOW, MAX_LEN, N_REQS, VOCAB = 3, 4, 4, 16, 9, 50
 INPUT_NAMES = ("input_ids", "positions", "seq_lens", "req_pool_indices", "out_cache_loc")
-OPTIONS = Options()
+OPTIONS = Options(graph_batch_sizes="pow2")   # buckets with padded rows: what these tests test
 BACKENDS = [pytest.param(EMULATE, id="emulate"),
             pytest.param(CUDA, id="cuda", marks=pytest.mark.gpu)]
 

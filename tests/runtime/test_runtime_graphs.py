@@ -102,7 +102,7 @@ def test_each_captured_graph_contains_one_swa_gather(engines):
     _, graph = engines
     graph.generate(prompts(2), 2)                    # captures, if no test did yet
     runner = graph.graph_runner
-    assert sorted(runner.graphs) == [1, 2, 4, 8]
+    assert sorted(runner.graphs) == list(range(1, 9))          # one graph per batch size
     for bs, g in runner.graphs.items():
         assert swa_gathers(g, graph.pool, runner.static["out_cache_loc"]) == 1, bs
 
