@@ -22,7 +22,9 @@ scales, ``fp8_linear``). The torch references are the model's code before the fu
 (the quantized linears through `quant_linear`'s own torch path), so the reference numerics keep
 their bits; the grouped GEMMs' torch path reads the group offsets on the host outside a capture.
 The Triton kernels (`moe_fused_triton`: routing in one launch, routed and shared experts in two
-each) take bf16 weights; FP4 / FP8 experts run the torch path on every backend for now.
+each) take bf16 weights; with FP4 / FP8 weights the Triton backend runs the reference's chain
+with `quant_linear`'s Triton GEMMs (offsets read on the device; the sort, gather and SwiGLU as
+torch ops inside the one dispatcher op).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from .backend import resolve
 from .checks import check_options, check_tensor
 from .library import define_op, ops
 from .options import DEFAULT_KERNEL_OPTIONS, KernelOptions
-from .platform import fp8_dialect
+from .platform import FNUZ, fp8_dialect
 from .quant_linear import _run as quant_linear_run
 
 SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
@@ -87,7 +89,9 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
 
 
 def moe_routed_ref(x, weights, indices, w1, w3, w2, w1_scale, w3_scale, w2_scale, swiglu_limit,
-                   dialect):
+                   dialect, gemm_backend="torch"):
+    """gemm_backend: the quantized grouped GEMMs' backend ("triton": their kernels, which read
+    the group offsets on the device)."""
     n, k = indices.shape
     expert = indices.flatten()
     order = torch.argsort(expert, stable=True)              # pairs grouped by expert
@@ -99,7 +103,7 @@ def moe_routed_ref(x, weights, indices, w1, w3, w2, w1_scale, w3_scale, w2_scale
 
     def grouped(rows, w, scale):
         if scale is not None:
-            return quant_linear_run(rows, w, scale, offs, True, "torch", dialect, True)
+            return quant_linear_run(rows, w, scale, offs, True, gemm_backend, dialect, True)
         return torch._grouped_mm(rows, w.transpose(1, 2), offs=offs)
 
     h = weights.flatten()[order, None] * swiglu(grouped(xs, w1, w1_scale),
@@ -109,15 +113,15 @@ def moe_routed_ref(x, weights, indices, w1, w3, w2, w1_scale, w3_scale, w2_scale
         0, token, out.float())
 
 
-def _dense(x, w, scale):
-    if scale is not None:
-        return quant_linear_run(x, w, scale, None, True, "torch", "ocp", False)
-    return F.linear(x, w)
+def moe_shared_ref(routed, x, w1, w3, w2, w1_scale, w3_scale, w2_scale, swiglu_limit,
+                   gemm_backend="torch"):
+    def dense(v, w, scale):
+        if scale is not None:
+            return quant_linear_run(v, w, scale, None, True, gemm_backend, "ocp", False)
+        return F.linear(v, w)
 
-
-def moe_shared_ref(routed, x, w1, w3, w2, w1_scale, w3_scale, w2_scale, swiglu_limit):
-    h = swiglu(_dense(x, w1, w1_scale), _dense(x, w3, w3_scale), swiglu_limit)
-    return (routed + _dense(h.to(x.dtype), w2, w2_scale)).to(x.dtype)
+    h = swiglu(dense(x, w1, w1_scale), dense(x, w3, w3_scale), swiglu_limit)
+    return (routed + dense(h.to(x.dtype), w2, w2_scale)).to(x.dtype)
 
 
 def _route_impl(x, gate_weight, bias, tid2eid, input_ids, k, route_scale, score_func, backend):
@@ -135,11 +139,11 @@ def _route_fake(x, gate_weight, bias, tid2eid, input_ids, k, *rest):
 
 def _routed_impl(x, weights, indices, w1, w3, w2, w1_scale, w3_scale, w2_scale, swiglu_limit,
                  dialect, backend):
-    if backend == "triton":
+    if backend == "triton" and w1_scale is None:
         from .moe_fused_triton import moe_routed_triton
         return moe_routed_triton(x, weights, indices, w1, w3, w2, swiglu_limit)
     return moe_routed_ref(x, weights, indices, w1, w3, w2, w1_scale, w3_scale, w2_scale,
-                          swiglu_limit, dialect)
+                          swiglu_limit, dialect, backend)
 
 
 def _routed_fake(x, *rest):
@@ -147,10 +151,11 @@ def _routed_fake(x, *rest):
 
 
 def _shared_impl(routed, x, w1, w3, w2, w1_scale, w3_scale, w2_scale, swiglu_limit, backend):
-    if backend == "triton":
+    if backend == "triton" and w1_scale is None:
         from .moe_fused_triton import moe_shared_triton
         return moe_shared_triton(routed, x, w1, w3, w2, swiglu_limit)
-    return moe_shared_ref(routed, x, w1, w3, w2, w1_scale, w3_scale, w2_scale, swiglu_limit)
+    return moe_shared_ref(routed, x, w1, w3, w2, w1_scale, w3_scale, w2_scale, swiglu_limit,
+                          backend)
 
 
 def _shared_fake(routed, x, *rest):
@@ -240,8 +245,7 @@ def moe_routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, w1
         raise ValueError(f"indices must have x's {x.shape[0]} rows, got {tuple(indices.shape)}")
     scales = (w1_scale, w3_scale, w2_scale)
     _check_mlp(x, w1, w3, w2, scales, w1.shape[0] if isinstance(w1, torch.Tensor) else None)
-    backend = resolve("moe_routed", x.device, options.backend,
-                      triton_ok=scales[0] is None and _contiguous(x, w1, w3, w2))
+    backend = resolve("moe_routed", x.device, options.backend, triton_ok=_contiguous(w1, w3, w2))
     return ops.moe_routed(x.contiguous(), weights, indices, w1, w3, w2, *scales,
                           float(swiglu_limit), fp8_dialect().name, backend)
 
@@ -257,7 +261,8 @@ def moe_shared(routed: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w3: torc
     check_tensor("x", x, dim=2)
     check_tensor("routed", routed, dtype=torch.float32, shape=tuple(x.shape), device=x.device)
     _check_mlp(x, w1, w3, w2, (w1_scale, w3_scale, w2_scale), None)
+    fnuz_ocp = fp8_dialect() is FNUZ and w1.dtype == torch.float8_e4m3fn   # as fp8_linear
     backend = resolve("moe_shared", x.device, options.backend,
-                      triton_ok=w1_scale is None and _contiguous(x, w1, w3, w2))
+                      triton_ok=_contiguous(w1, w3, w2) and not fnuz_ocp)
     return ops.moe_shared(routed, x.contiguous(), w1, w3, w2, w1_scale, w3_scale, w2_scale,
                           float(swiglu_limit), backend)

@@ -28,11 +28,13 @@ tokens on the host every step, so host timestamps bound device work.
 
 Output JSON (beyond bench_common's record keys):
   "model": preset, n_layers, n_layers_full, reduced, n_routed_experts, n_routed_experts_full,
-      parameters, weights, note
+      vocab_size, parameters, weights, note
   "weight_reads": one row per weight format: weights, concurrency, context_len, bytes_read,
-      native_active_bytes, read_vs_native_active, floor_ms (native active bytes at the device's
-      peak HBM bandwidth: the step time no kernel can beat; null on a CPU or an unknown GPU;
-      compare the default configuration's itl_ms_p50 of the same batch and context)
+      native_active_bytes, read_vs_native_active, kv_read_bytes, kv_written_bytes (the step's
+      KV rows, ``decode_launches.kv_bytes``), floor_ms ((native active + KV bytes) at the
+      device's peak HBM bandwidth: the step time no kernel can beat; null on a CPU or an unknown
+      GPU), itl_vs_floor (the default configuration's itl_ms_p50 of the same batch and context
+      over floor_ms; null without both)
   "configs": [{"name", "env"}]; "notes": caveats of this run
   "results": one row per (config, concurrency, context_len): config, env, concurrency,
       context_len, new_tokens, decode_steps, itl_ms_p50, itl_ms_p90, itl_ms_mean, prefill_ms,
@@ -40,6 +42,8 @@ Output JSON (beyond bench_common's record keys):
       / generate wall time), swa_translations_per_step and swa_cache_hits_per_step (the pool's
       counters; null when graphs were replayed: the gathers then run inside the graph, see
       bench_swa_translation for the captured count), graph_used (a graph runner replayed),
+      layer_ops (each decoder layer's dispatcher ops), layer_ops_max, forward_ops_per_layer
+      (forward_ops / layers: issue 26's ops per layer; see ``decode_launches``),
       flags (as the worker saw them), itl_p50_vs_default (ratio; null without a default row),
       step_ops, step_syncs, forward_ops, forward_syncs: what one eager decode step (the second
       of a 3-token generate) dispatches, as bench_common.count_launches counts it, for the
@@ -68,6 +72,7 @@ from pathlib import Path
 import torch
 
 import bench_common as bc
+import decode_launches
 import weight_reads
 from bench_set_kv import peak_hbm_bytes_per_s
 
@@ -103,24 +108,27 @@ def build_model(spec: dict):
     from dsv4.random_init import init_random_weights
 
     cfg = ModelConfig.preset(spec["preset"])
-    full_layers, full_experts = cfg.n_layers, cfg.n_routed_experts
+    full_layers, full_experts, full_vocab = cfg.n_layers, cfg.n_routed_experts, cfg.vocab_size
     layers = spec["layers"] or cfg.n_layers
     cfg = replace(cfg, n_layers=layers, compress_ratios=cfg.compress_ratios[:layers],
                   n_mtp_layers=0, n_hash_layers=min(cfg.n_hash_layers, layers),
-                  n_routed_experts=spec["experts"] or cfg.n_routed_experts)
+                  n_routed_experts=spec["experts"] or cfg.n_routed_experts,
+                  vocab_size=spec.get("vocab") or cfg.vocab_size)
     max_seq_len = max(spec["contexts"]) + spec["new_tokens"]
     model = DeepseekV4Model(cfg, device=bc.device(), max_seq_len=max_seq_len,
                             weights=spec["weights"])
     init_random_weights(model, spec["seed"])
-    reduced = layers < full_layers or cfg.n_routed_experts < full_experts
+    reduced = (layers < full_layers or cfg.n_routed_experts < full_experts
+               or cfg.vocab_size < full_vocab)
     info = {"preset": spec["preset"], "n_layers": layers, "n_layers_full": full_layers,
             "reduced": reduced, "n_routed_experts": cfg.n_routed_experts,
-            "n_routed_experts_full": full_experts,
+            "n_routed_experts_full": full_experts, "vocab_size": cfg.vocab_size,
             "parameters": sum(p.numel() for p in model.parameters()),
             "weights": model.weights,
             "note": (f"{spec['preset']} shapes cut to {layers}/{full_layers} layers and "
                      f"{cfg.n_routed_experts}/{full_experts} routed experts (top-"
-                     f"{cfg.n_activated_experts} per token unchanged), random weights")
+                     f"{cfg.n_activated_experts} per token unchanged), vocabulary "
+                     f"{cfg.vocab_size}/{full_vocab}, random weights")
             if reduced else f"{spec['preset']} preset, all layers, random weights"}
     return model, info
 
@@ -167,62 +175,6 @@ class StepClock:
             delattr(owner, name)  # the instance attribute shadowed the class's method
 
 
-def device_state(engine) -> list[torch.Tensor]:
-    """The tensors a GPU run keeps on the device: weights, the KV pool's buffers (caches, state
-    rings, the full -> SWA map) and the request -> token table."""
-    found = [*engine.model.parameters(), *engine.model.buffers(), engine.req_to_token]
-
-    def walk(value):
-        if isinstance(value, torch.Tensor):
-            found.append(value)
-        elif isinstance(value, dict):
-            for v in value.values():
-                walk(v)
-    for value in vars(engine.pool).values():
-        walk(value)
-    return found
-
-
-def count_decode_step(engine, prompts) -> dict:
-    """Ops and host syncs of the second decode step of a 3-token generate (eager), overall and
-    inside the model forward. On a GPU the profiler cannot nest, so the forward is counted
-    alone in the third decode step (of a 4-token generate), a step of the same shapes."""
-    real_step, real_forward = engine._decode_step, engine._decode_forward
-    counts, calls = {}, []
-    on_device = device_state(engine)
-    forward_step = 3 if bc.on_gpu() else 2
-
-    def forward(batch):
-        out = []
-        counts["forward"] = bc.count_launches(lambda: out.append(real_forward(batch)),
-                                              on_device)
-        return out[0]
-
-    def step(*args):
-        calls.append(1)
-        if len(calls) not in (2, forward_step):
-            return real_step(*args)
-        if len(calls) == forward_step:
-            engine._decode_forward = forward
-        try:
-            if len(calls) == 2:
-                counts["step"] = bc.count_launches(lambda: real_step(*args), on_device)
-            else:
-                real_step(*args)
-        finally:
-            engine._decode_forward = real_forward
-
-    engine._decode_step = step
-    try:
-        engine.generate(prompts, forward_step + 1)
-    finally:
-        del engine._decode_step
-    return {"step_ops": counts["step"].launches, "step_syncs": counts["step"].host_syncs,
-            "step_device_syncs": counts["step"].device_syncs,
-            "forward_ops": counts["forward"].launches,
-            "forward_syncs": counts["forward"].host_syncs}
-
-
 def run_case(model, spec: dict, concurrency: int, context_len: int) -> dict:
     from dsv4.engine import Engine
 
@@ -260,9 +212,8 @@ def run_case(model, spec: dict, concurrency: int, context_len: int) -> dict:
         "swa_translations_per_step": None if graph_used else round(translations / steps, 3),
         "swa_cache_hits_per_step": None if graph_used else round(hits / steps, 3),
         "graph_used": graph_used,
-        **(dict.fromkeys(("step_ops", "step_syncs", "step_device_syncs", "forward_ops",
-                          "forward_syncs"))
-           if graph_used else count_decode_step(engine, prompts)),
+        **(dict.fromkeys(decode_launches.STEP_KEYS)
+           if graph_used else decode_launches.count_decode_step(engine, prompts)),
     }
 
 
@@ -324,6 +275,16 @@ def add_ratios(rows: list[dict]) -> None:
         r["itl_p50_vs_default"] = round(r["itl_ms_p50"] / base, 4) if base else None
 
 
+def add_floor_ratios(reads: list[dict], rows: list[dict]) -> None:
+    """itl_vs_floor of each weight-reads row: the default configuration's ITL p50 at its batch
+    and context over its floor."""
+    itl = {(r["concurrency"], r["context_len"]): r["itl_ms_p50"] for r in rows
+           if r["config"] == "default"}
+    for r in reads:
+        base = itl.get((r["concurrency"], r["context_len"]))
+        r["itl_vs_floor"] = round(base / r["floor_ms"], 3) if base and r["floor_ms"] else None
+
+
 def weight_read_rows(spec: dict) -> list[dict]:
     """``weight_reads.count_decode_step`` for each weight format the config allows."""
     from dsv4.config import ModelConfig
@@ -337,7 +298,10 @@ def weight_read_rows(spec: dict) -> list[dict]:
         with torch.no_grad():
             row = weight_reads.count_decode_step(model, spec["concurrency"][0],
                                                  spec["contexts"][0], spec["seed"])
-        row["floor_ms"] = round(row["native_active_bytes"] / peak * 1e3, 4) if peak else None
+        row.update(decode_launches.kv_bytes(model.config, row["concurrency"],
+                                            row["context_len"] + 2))  # the second decode step
+        row["floor_ms"] = decode_launches.floor_ms(
+            row["native_active_bytes"] + row["kv_read_bytes"] + row["kv_written_bytes"], peak)
         rows.append(row)
         del model
     return rows
@@ -348,18 +312,22 @@ def summary_lines(rows: list[dict], errors: list[dict],
     """The figures printed after a run, one line per case (the JSON holds the rest)."""
     width = max([len("config")] + [len(r["config"]) for r in rows])
     lines = [f"{'config':{width}s} {'batch':>5s} {'context':>7s} {'ITL p50 ms':>10s} "
-             f"{'decode tok/s':>12s} graph"]
+             f"{'decode tok/s':>12s} graph ops/layer (max layer)"]
     for r in rows:
+        ops = (f"{r['forward_ops_per_layer']:.1f} ({r['layer_ops_max']})"
+               if r.get("layer_ops_max") is not None else "-")
         lines.append(f"{r['config']:{width}s} {r['concurrency']:5d} {r['context_len']:7d} "
                      f"{r['itl_ms_p50']:10.2f} {r['decode_tokens_per_s']:12.1f} "
-                     f"{'yes' if r['graph_used'] else 'no'}")
+                     f"{'yes' if r['graph_used'] else 'no':5s} {ops}")
     for r in reads:
         lines.append(f"weights {r['weights']}: one decode step (batch {r['concurrency']}, "
                      f"context {r['context_len']}) reads {r['bytes_read'] / 1e6:.2f} MB of "
                      f"weights, {r['read_vs_native_active']:.2f}x the native active "
-                     f"{r['native_active_bytes'] / 1e6:.2f} MB" + (
-                         f" (floor at peak HBM bandwidth: {r['floor_ms']} ms)" if r["floor_ms"]
-                         else ""))
+                     f"{r['native_active_bytes'] / 1e6:.2f} MB; KV rows "
+                     f"{(r['kv_read_bytes'] + r['kv_written_bytes']) / 1e6:.2f} MB; " + (
+                         f"floor at peak HBM bandwidth {r['floor_ms']} ms, ITL "
+                         f"{r['itl_vs_floor']}x the floor" if r["floor_ms"]
+                         else "no GPU here: no step time to set against the floor"))
     for e in errors:
         lines.append(f"error: {e['config']}, concurrency {e['concurrency']}, context "
                      f"{e['context_len']}: {e['error']}")
@@ -375,6 +343,9 @@ def parse_args(argv=None):
                    help="keep only the first N layers (default: 4 for flash/pro, all for tiny)")
     p.add_argument("--experts", type=int, default=None,
                    help="routed experts per MoE layer (default: the preset's)")
+    p.add_argument("--vocab", type=int, default=None,
+                   help="vocabulary rows (default: the preset's; a smaller one keeps a flash "
+                        "slice's embedding and head small enough for a CPU)")
     p.add_argument("--weights", choices=("native", "bf16"), default=None,
                    help="weight format of the sweep's model (default: native where the config "
                         "allows it, else bf16)")
@@ -418,7 +389,7 @@ def main(argv=None) -> dict | None:
     if args.worker is not None:
         worker(json.loads(args.worker))
         return None
-    spec = {k: getattr(args, k) for k in ("preset", "layers", "experts", "weights",
+    spec = {k: getattr(args, k) for k in ("preset", "layers", "experts", "vocab", "weights",
                                           "concurrency", "contexts", "new_tokens", "page_size",
                                           "seed", "threads")}
     record = bc.new_record("bench_decode", args, {**spec, "configs": [
@@ -440,6 +411,7 @@ def main(argv=None) -> dict | None:
         model = {k: v for k, v in model.items() if k != "flags"}
     add_ratios(rows)
     reads = weight_read_rows(spec)
+    add_floor_ratios(reads, rows)
     record.update(model=model, results=rows, errors=errors, weight_reads=reads)
     bc.write_json(args.out, record)
     print("\n".join(summary_lines(rows, errors, reads)))

@@ -275,8 +275,9 @@ def test_triton_routed_and_shared_match_the_reference(n):
 
 
 @triton_only
-def test_the_backend_follows_the_weights():
-    """bf16 experts take Triton when asked; FP4 / FP8 ones stay on the torch path."""
+def test_the_backend_follows_the_options():
+    """Triton when asked (bf16: the fused kernels; FP4 / FP8: the quantized linears' kernels
+    inside the op), the torch reference by default on a CPU."""
     if DEV.type != "cpu":
         pytest.skip("the CPU backend choice (the interpreter)")
     triton = KernelOptions(backend="triton")
@@ -288,7 +289,22 @@ def test_the_backend_follows_the_weights():
     assert backend(lambda: moe_routed(x, weights, indices, **bf16_experts(),
                                       options=triton)) == "triton"
     assert backend(lambda: moe_routed(x, weights, indices, **fp4_experts(),
-                                      options=triton)) == "torch"
+                                      options=triton)) == "triton"
     assert backend(lambda: moe_routed(x, weights, indices, **bf16_experts())) == "torch"
-    assert backend(lambda: moe_shared(torch.zeros(2, DIM), x, **shared_weights(True),
-                                      options=triton)) == "torch"
+
+
+@triton_only
+def test_triton_native_experts_give_the_reference_bits(n=3):
+    """FP4 routed / FP8 shared experts on the Triton backend: the quantized linears' kernels
+    (exact dots in the interpreter) inside the same chain: bit for bit the torch path."""
+    w = on_dev(fp4_experts(seed=30))
+    x, weights, indices = (t.to(DEV) for t in routing(n, seed=31))
+    scales = (w["w1_scale"], w["w3_scale"], w["w2_scale"])
+    args = (x, weights, indices, w["w1"], w["w3"], w["w2"], *scales, LIMIT, "ocp")
+    want = torch.ops.dsv4.moe_routed(*args, "torch")
+    assert torch.equal(torch.ops.dsv4.moe_routed(*args, "triton"), want)
+    s = on_dev(shared_weights(True, seed=32))
+    args = (want, x, s["w1"], s["w3"], s["w2"], s["w1_scale"], s["w3_scale"], s["w2_scale"],
+            LIMIT)
+    assert torch.equal(torch.ops.dsv4.moe_shared(*args, "triton"),
+                       torch.ops.dsv4.moe_shared(*args, "torch"))

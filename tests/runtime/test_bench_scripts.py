@@ -24,8 +24,8 @@ DECODE_ROW_KEYS = {"config", "env", "concurrency", "context_len", "new_tokens", 
                    "itl_ms_p50", "itl_ms_p90", "itl_ms_mean", "prefill_ms", "decode_tokens_per_s",
                    "e2e_tokens_per_s", "swa_translations_per_step", "swa_cache_hits_per_step",
                    "graph_used", "flags", "itl_p50_vs_default", "step_ops", "step_syncs",
-                   "step_device_syncs",
-                   "forward_ops", "forward_syncs"}
+                   "step_device_syncs", "forward_ops", "forward_syncs", "forward_ops_per_layer",
+                   "layer_ops", "layer_ops_max"}
 
 
 # ---- bench_common ---------------------------------------------------------------------------
@@ -237,12 +237,16 @@ def test_decode_quick_writes_the_documented_json(tmp_path):
             assert 0 <= r["forward_syncs"] <= r["step_syncs"], r
             # the model forward reads nothing on the host; the step reads the sampled tokens
             assert r["forward_syncs"] == 0 and r["step_device_syncs"] == 1, r
+            assert len(r["layer_ops"]) == 4 and max(r["layer_ops"]) == r["layer_ops_max"], r
+            assert sum(r["layer_ops"]) < r["forward_ops"] == round(
+                4 * r["forward_ops_per_layer"]), r
         else:
             assert r["step_ops"] is None and r["forward_syncs"] is None
 
 
 WEIGHT_READ_KEYS = {"weights", "concurrency", "context_len", "bytes_read", "native_active_bytes",
-                    "read_vs_native_active", "floor_ms"}
+                    "read_vs_native_active", "kv_read_bytes", "kv_written_bytes", "floor_ms",
+                    "itl_vs_floor"}
 
 
 @pytest.mark.slow
@@ -264,8 +268,11 @@ def test_decode_counts_the_weight_bytes_a_step_reads(tmp_path):
     assert native["read_vs_native_active"] == round(
         native["bytes_read"] / native["native_active_bytes"], 4)
     assert bf16["bytes_read"] > 1.2 * native["bytes_read"], (bf16, native)
+    assert native["kv_read_bytes"] > 0 and native["kv_written_bytes"] > 0
     if not torch.cuda.is_available():
         assert native["floor_ms"] is None                # no peak bandwidth on a CPU
+        assert native["itl_vs_floor"] is None
+        assert "no GPU here: no step time to set against the floor" in proc.stdout
     assert "weights native: one decode step (batch 2, context 32) reads " in proc.stdout
 
 
@@ -382,12 +389,17 @@ def test_bench_decode_prints_its_figures():
     import bench_decode
 
     rows = [{"config": "DSV4_GRAPH=0+DSV4_NUMERICS=fp32", "concurrency": 4, "context_len": 32,
-             "itl_ms_p50": 12.345, "decode_tokens_per_s": 258.04, "graph_used": False}]
+             "itl_ms_p50": 12.345, "decode_tokens_per_s": 258.04, "graph_used": False,
+             "forward_ops_per_layer": 35.25, "layer_ops_max": 38},
+            {"config": "default", "concurrency": 4, "context_len": 32, "itl_ms_p50": 2.0,
+             "decode_tokens_per_s": 2000.0, "graph_used": True, "layer_ops_max": None}]
     errors = [{"config": "default", "concurrency": 1, "context_len": 32, "error": "boom"}]
-    header, line, error = bench_decode.summary_lines(rows, errors)
+    header, line, graph, error = bench_decode.summary_lines(rows, errors)
     assert header.split() == ["config", "batch", "context", "ITL", "p50", "ms", "decode",
-                              "tok/s", "graph"]
-    assert line.split() == ["DSV4_GRAPH=0+DSV4_NUMERICS=fp32", "4", "32", "12.35", "258.0", "no"]
+                              "tok/s", "graph", "ops/layer", "(max", "layer)"]
+    assert line.split() == ["DSV4_GRAPH=0+DSV4_NUMERICS=fp32", "4", "32", "12.35", "258.0", "no",
+                            "35.2", "(38)"]
+    assert graph.split()[-2:] == ["yes", "-"]
     assert error == "error: default, concurrency 1, context 32: boom"
 
 
