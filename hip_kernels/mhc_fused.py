@@ -102,9 +102,9 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mHC pre and the RMSNorm after it: (normed block input [N, D] in x's dtype, post fp32
     [N, hc], comb fp32 [N, hc, hc]) from x [N, hc, D]; fn [(2 + hc) hc, hc D], scale [3],
-    base [(2 + hc) hc], norm_weight [D] (None: no norm, y itself). reference: DeepSeek-V4's reference numerics (the
-    Sinkhorn's softmax, see `mhc_split`). options.backend picks the backend (no HIP version);
-    an hc that is not a power of two runs the torch reference."""
+    base [(2 + hc) hc], norm_weight [D] (None: no norm, y itself). reference: DeepSeek-V4's
+    reference numerics (the Sinkhorn's softmax, see `mhc_split`). options.backend picks the
+    backend (no HIP version); an hc that is not a power of two runs the torch reference."""
     check_options(options)
     if not isinstance(reference, bool):
         raise TypeError(f"reference must be a bool, got {reference!r}")

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hip_kernels import KernelOptions, fp4_grouped_linear, fp8_linear, moe_route, moe_routed, moe_shared
+from hip_kernels import (KernelOptions, fp4_grouped_linear, fp8_linear, moe_route, moe_routed,
+                         moe_shared)
 from hip_kernels.moe_fused import biased_gate, gate_scores, gate_weights
 from hip_kernels.quant_linear_ref import e2m1_to_float, e8m0_to_float
 from hip_kernels.platform import default_device
