@@ -13,8 +13,9 @@ columns past it do not exist for the choice, so a row padded to a captured graph
 picks what it picks at its own width, ties included. On a CPU that is torch's topk over exactly
 the first ``width`` columns, as the reference calls it (rows grouped by width, read on the host
 inside the op; torch orders tied values by an algorithm it picks by the row length). On a GPU
-(no host read in a captured step) and on aiter the columns past it are -inf, and the torch path
-breaks ties by the lower column (a unique int64 key per entry), whatever the row length.
+(no host read in a captured step) the columns past it are -inf and ties go to the lower column
+(a unique int64 key per entry), whatever the row length; on aiter they are -inf too, and ties
+come in aiter's order.
 """
 
 from __future__ import annotations
