@@ -1,7 +1,7 @@
 """DeepSeek-V4's quantized linears as dispatcher ops: the activation quantization (the reference's
 `act_quant`) and the block-scaled GEMM in one call.
 
-    fp8_linear(x, weight, weight_scale)                 -> torch.ops.dsv4.fp8_linear
+    fp8_linear(x, weight, weight_scale[, out_dtype])    -> torch.ops.dsv4.fp8_linear
     fp8_grouped_linear(x, weight, weight_scale, offs)   -> torch.ops.dsv4.fp8_grouped_linear
     fp4_grouped_linear(x, weight, weight_scale, offs)   -> torch.ops.dsv4.fp4_grouped_linear
 
@@ -35,23 +35,25 @@ FP8_WEIGHT_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 FP8_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e8m0fnu, torch.uint8)
 FP4_WEIGHT_DTYPES = (torch.int8, torch.uint8, torch.float4_e2m1fn_x2)
 FP4_SCALE_DTYPES = (torch.float8_e8m0fnu, torch.uint8)
+FP8_LINEAR_OUT_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def _weight_dialect(weight: torch.Tensor):
     return FNUZ if weight.dtype == torch.float8_e4m3fnuz else OCP
 
 
-def _run(x, weight, weight_scale, offs, round_scale, backend, dialect, fp4):
+def _run(x, weight, weight_scale, offs, round_scale, backend, dialect, fp4,
+         out_dtype=torch.bfloat16):
     scale_fmt = "ue8m0" if round_scale else None
     if backend == "triton":
         from .quant_linear_triton import quant_linear_triton
         dense = offs is None
         return quant_linear_triton(x, weight[None] if dense else weight,
                                    weight_scale[None] if dense else weight_scale, offs,
-                                   round_scale, fp4, DIALECTS[dialect])
+                                   round_scale, fp4, DIALECTS[dialect], out_dtype)
     if offs is None:
         q, s = act_quant(x, scale_fmt, _weight_dialect(weight))
-        return fp8_gemm_ref(q, s, weight, weight_scale)
+        return fp8_gemm_ref(q, s, weight, weight_scale, out_dtype)
     act_dialect = DIALECTS[dialect] if fp4 else _weight_dialect(weight)
     return grouped_linear_ref(x, weight, weight_scale, offs, scale_fmt, act_dialect, fp4)
 
@@ -60,8 +62,12 @@ def _fake(x, weight, weight_scale, *rest):
     return x.new_empty(x.shape[0], weight.shape[-2], dtype=torch.bfloat16)
 
 
-def _fp8_linear(x, weight, weight_scale, round_scale, backend):
-    return _run(x, weight, weight_scale, None, round_scale, backend, "ocp", False)
+def _fp8_linear(x, weight, weight_scale, round_scale, backend, out_dtype):
+    return _run(x, weight, weight_scale, None, round_scale, backend, "ocp", False, out_dtype)
+
+
+def _fp8_linear_fake(x, weight, weight_scale, round_scale, backend, out_dtype):
+    return x.new_empty(x.shape[0], weight.shape[-2], dtype=out_dtype)
 
 
 def _fp8_grouped_linear(x, weight, weight_scale, offs, round_scale, backend):
@@ -73,8 +79,8 @@ def _fp4_grouped_linear(x, weight, weight_scale, offs, round_scale, backend, dia
 
 
 WEIGHTS = "Tensor x, Tensor weight, Tensor weight_scale"
-define_op("fp8_linear", f"({WEIGHTS}, bool round_scale, str backend) -> Tensor", _fp8_linear,
-          _fake)
+define_op("fp8_linear", f"({WEIGHTS}, bool round_scale, str backend, ScalarType out_dtype) "
+          "-> Tensor", _fp8_linear, _fp8_linear_fake)
 define_op("fp8_grouped_linear", f"({WEIGHTS}, Tensor offs, bool round_scale, str backend) "
           "-> Tensor", _fp8_grouped_linear, _fake)
 define_op("fp4_grouped_linear", f"({WEIGHTS}, Tensor offs, bool round_scale, str backend, "
@@ -124,20 +130,24 @@ def _fp8_backend(op, x, weight, options) -> str:
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, *,
-               scale_fmt: str | None = "ue8m0",
+               scale_fmt: str | None = "ue8m0", out_dtype: torch.dtype = torch.bfloat16,
                options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
     """bf16 [M, N] = act_quant(x) @ weight.T, the reference's FP8 linear. x bf16 [M, K]
     (K % 128 == 0, contiguous); weight [N, K] float8_e4m3fn (or float8_e4m3fnuz from
     `ocp_to_fnuz`); weight_scale [ceil(N/128), K/128] (float32, bfloat16, float8_e8m0fnu or its
-    bytes as uint8). options.backend picks the backend (no HIP version: hip runs Triton)."""
+    bytes as uint8). out_dtype float32: the fp32 accumulator not rounded to bf16 (a
+    tensor-parallel rank's partial product, rounded after the sum over ranks).
+    options.backend picks the backend (no HIP version: hip runs Triton)."""
     check_options(options)
     round_scale = _check_scale_fmt(scale_fmt)
+    if out_dtype not in FP8_LINEAR_OUT_DTYPES:
+        raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
     k = _check_x(x)
     n = weight.shape[0] if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
     _check_weight(weight, weight_scale, (None, k), (-(-(n or 0) // ACT_BLOCK), k // ACT_BLOCK),
                   FP8_WEIGHT_DTYPES, FP8_SCALE_DTYPES, x.device)
     return ops.fp8_linear(x, weight, weight_scale, round_scale,
-                          _fp8_backend("fp8_linear", x, weight, options))
+                          _fp8_backend("fp8_linear", x, weight, options), out_dtype)
 
 
 def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

@@ -107,13 +107,14 @@ def _blocked_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.
     return acc
 
 
-def fp8_gemm_ref(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor,
-                 sb: torch.Tensor) -> torch.Tensor:
+def fp8_gemm_ref(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Tensor,
+                 out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """The reference's fp8_gemm: qa fp8 [M, K] with fp32 sa [M, K/128]; qb fp8 [N, K] (either
-    dialect, the same as qa's) with sb [ceil(N/128), K/128] (fp32, bf16, ue8m0) -> bf16 [M, N]."""
+    dialect, the same as qa's) with sb [ceil(N/128), K/128] (fp32, bf16, ue8m0) -> bf16 [M, N]
+    (out_dtype float32: the fp32 accumulator itself, not rounded)."""
     sb_rows = e8m0_to_float(sb).repeat_interleave(ACT_BLOCK, dim=0)[:qb.shape[0]]
     acc = _blocked_gemm(qa.double(), sa, qb.double(), sb_rows, ACT_BLOCK, 1, fp4=False)
-    return acc.to(torch.bfloat16)
+    return acc.to(out_dtype)
 
 
 def fp4_gemm_ref(qa: torch.Tensor, sa: torch.Tensor, packed: torch.Tensor,

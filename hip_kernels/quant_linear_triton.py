@@ -6,7 +6,8 @@ expert's rows (rows [offs[e-1], offs[e]); a dense linear is one group) BLOCK_M a
 for each 128-wide K block quantizes those rows in registers as the reference's act_quant does
 (every program re-quantizes its rows: cheap at decode), then multiplies them with the weight
 tile. FP8: one fp8 x fp8 `tl.dot` per 128-wide K block (fp32 result), scaled by
-sa * sb and added to the fp32 accumulator. FP4: the e2m1 codes are unpacked with bit
+sa * sb and added to the fp32 accumulator, stored in the output's dtype (bf16, or fp32 for a
+tensor-parallel rank's partial product). FP4: the e2m1 codes are unpacked with bit
 arithmetic (two per byte, the even element in the low nibble) into exact fp32 values, one dot
 per 32-wide K block (bf16 operands: the fp8 and e2m1 values are exact in bf16), scaled by
 sa then sb. One bf16 rounding at the store. Scale multiplies and adds are not fused
@@ -138,7 +139,7 @@ def fp8_linear_kernel(x_ptr, x_stride, w_ptr, w_stride_e, w_stride_n, ws_ptr, ws
             sb = _load_scale(ws_base + k0 // 128, SCALE_E8M0)
             acc += partial * (s[:, None] * sb)
         tl.store(out_ptr + rows[:, None].to(tl.int64) * out_stride + cols[None, :],
-                 acc.to(tl.bfloat16), mask=row_ok[:, None] & col_ok[None, :])
+                 acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -225,15 +226,15 @@ def block_n(n_groups: int, n_out: int) -> int:
 
 def quant_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                         offs: torch.Tensor | None, round_scale: bool, fp4: bool,
-                        act_dialect) -> torch.Tensor:
-    """bf16 [P, N] (checked arguments; see `quant_linear`). weight [E, N, K] fp8 or [E, N, K/2]
-    packed e2m1 bytes, weight_scale [E, *, *]; offs None for a dense linear (E == 1). FP8: the
-    activations take the weight's dialect; FP4: act_dialect (the platform's) rounds them."""
+                        act_dialect, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """[P, N] in out_dtype (checked arguments; see `quant_linear`; float32 only for FP8).
+    weight [E, N, K] fp8 or [E, N, K/2] packed e2m1 bytes, weight_scale [E, *, *]; offs None for
+    a dense linear (E == 1). FP8: the activations take the weight's dialect; FP4: act_dialect
+    (the platform's) rounds them."""
     p, k = x.shape
     n_groups, n_out = weight.shape[:2]
     grouped = offs is not None
-    out = (torch.zeros if grouped else torch.empty)(p, n_out, dtype=torch.bfloat16,
-                                                    device=x.device)
+    out = (torch.zeros if grouped else torch.empty)(p, n_out, dtype=out_dtype, device=x.device)
     if p == 0 or n_out == 0:
         return out
     rows_per_group = -(-p // n_groups)

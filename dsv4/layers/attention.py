@@ -23,7 +23,7 @@ from hip_kernels.decode_attention import sparse_attention_rows
 from hip_kernels.grouped_out_proj import grouped_out_proj
 from hip_kernels.options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 
-from ..parallel import SINGLE, TensorSplit, sum_over_ranks
+from ..parallel import SINGLE, TensorSplit, partial_dtype, sum_over_ranks
 from .compressor import Compressor
 from .indexer import Indexer
 from .linear import Linear
@@ -95,9 +95,12 @@ class Attention(nn.Module):
         ``hip_kernels.grouped_out_proj``), wo_b."""
         t = grouped_out_proj(o, freqs_cis, self.wo_a.weight, self.n_groups, self.rope_dim,
                              options=options)
-        return self.sum_partial_output(self.wo_b(t, options))
+        partial = self.wo_b(t, options, out_dtype=partial_dtype(t.dtype, self.split))
+        return self.sum_partial_output(partial).to(t.dtype)
 
     def sum_partial_output(self, y: torch.Tensor) -> torch.Tensor:
         """wo_b's output summed over the tensor-parallel ranks (each holds some of its input
-        columns: the reference's RowParallelLinear all_reduce); y itself on one rank."""
+        columns: the reference's RowParallelLinear all_reduce; under a split each rank's part is
+        fp32, not rounded, and the sum is rounded once, as one rank's wo_b rounds); y itself on
+        one rank."""
         return sum_over_ranks(y, self.split)

@@ -1,9 +1,10 @@
 """One tensor-parallel rank of tests/runtime/test_tensor_parallel.py (gloo, CPU).
 
-    python tp_worker.py RANK WORLD INIT_FILE OUT_DIR CHECKPOINT_DIR
+    python tp_worker.py RANK WORLD INIT_FILE OUT_DIR CHECKPOINT_DIR NATIVE_CHECKPOINT_DIR
 
-The rank builds its part of the random tiny model and of a saved bf16 checkpoint, generates
-greedily with each (``run``, which the test also calls on one rank), and writes
+The rank builds its part of the random tiny model, of a saved bf16 checkpoint and of a saved
+native (FP8/FP4) checkpoint, generates greedily with each (``run``, which the test also calls on
+one rank; the native one in fp32 numerics, see ``FP32``), and writes
 OUT_DIR/rank<R>.json: tokens, logits, the bytes of its tensors, and the tokens and prefix-cache
 hits of a prompt run twice through an engine whose prefix cache agrees over the ranks' group
 (``cached_run``). On 2 ranks, rank 1 then stops
@@ -27,6 +28,7 @@ import torch.distributed as dist
 from dsv4.config import ModelConfig
 from dsv4.engine import Engine
 from dsv4.model import DeepseekV4Model
+from dsv4.options import Options
 from dsv4.parallel import TensorSplit
 from dsv4.random_init import init_random_weights
 from mem_pool.prefix import PrefixCache
@@ -39,6 +41,10 @@ TINY_4 = dataclasses.replace(TINY, o_groups=4)
 NATIVE = dataclasses.replace(ModelConfig.preset("small"), o_groups=4, o_lora_rank=128)
 PROMPTS = [[5, 17, 300, 42, 9, 77, 101, 3], [250, 11, 60]]
 NEW_TOKENS = 3
+# The reference numerics' bf16 steps run through CPU kernels whose last bit depends on the head
+# count (torch's bf16 rsqrt of the q norm, the attention's einsums), so a rank's heads round
+# unlike the whole model's; fp32 numerics leave only the split's own summation order.
+FP32 = Options(numerics="fp32")
 
 
 def tiny_config(world: int) -> ModelConfig:
@@ -49,8 +55,8 @@ def tensor_bytes(model) -> int:
     return sum(t.numel() * t.element_size() for t in model.state_dict().values())
 
 
-def run(model) -> dict:
-    out = Engine(model, max_batch=2, max_context_len=64, graph=False).generate(
+def run(model, options: Options | None = None) -> dict:
+    out = Engine(model, max_batch=2, max_context_len=64, graph=False, options=options).generate(
         PROMPTS, NEW_TOKENS, return_logits=True)
     return {"tokens": out.tokens, "logits": out.logits.tolist(), "bytes": tensor_bytes(model)}
 
@@ -97,7 +103,7 @@ def kill_mid_decode(rank: int, out: Path) -> None:
 
 def main() -> None:
     rank, world = int(sys.argv[1]), int(sys.argv[2])
-    init_file, out, checkpoint = sys.argv[3], Path(sys.argv[4]), sys.argv[5]
+    init_file, out, checkpoint, native = sys.argv[3], Path(sys.argv[4]), sys.argv[5], sys.argv[6]
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
@@ -105,7 +111,8 @@ def main() -> None:
     split = TensorSplit(rank, world, dist.group.WORLD)
     tiny = random_model(tiny_config(world), split)
     result = {"tiny": run(tiny), "cached": cached_run(tiny, split.group),
-              "checkpoint": run(load_model(checkpoint, split=split))}
+              "checkpoint": run(load_model(checkpoint, split=split)),
+              "native": run(load_model(native, split=split), FP32)}
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()
     if world == 2:

@@ -223,6 +223,26 @@ def test_fp8_linear_triton_matches_torch(dialect, scale):
 
 
 @pytest.mark.parametrize("dialect", ["ocp", "fnuz"])
+def test_fp8_linear_fp32_output_is_the_unrounded_accumulator(dialect):
+    """out_dtype float32 (a tensor-parallel rank's partial of a split K): the fp32 sum of the
+    K blocks' scaled products, which the bf16 output rounds once; Triton equals torch."""
+    g = gen(13)
+    x, w, ws = rows(g, 3, 256), fp8_weight(g, 200, 256), e8m0(g, 2, 2)
+    if dialect == "fnuz":
+        w, ws = ocp_to_fnuz(w, ws)
+    got = fp8_linear(x, w, ws, out_dtype=torch.float32, options=TORCH)
+    q, s = act_quant(x, "ue8m0", FNUZ if dialect == "fnuz" else OCP)
+    blocks = [R.fp8_gemm_ref(q[:, c:c + 128], s[:, c // 128:c // 128 + 1], w[:, c:c + 128],
+                             ws[:, c // 128:c // 128 + 1], torch.float32) for c in (0, 128)]
+    assert got.dtype == torch.float32 and torch.equal(got, blocks[0] + blocks[1])
+    assert same(got.bfloat16(), fp8_linear(x, w, ws, options=TORCH))
+    assert not torch.equal(got, got.bfloat16().float())
+    triton_got = fp8_linear(x.to(DEV), w.to(DEV), ws.to(DEV), out_dtype=torch.float32,
+                            options=TRITON)
+    assert torch.equal(triton_got.cpu(), got)
+
+
+@pytest.mark.parametrize("dialect", ["ocp", "fnuz"])
 def test_fp8_grouped_linear_triton_matches_torch(dialect):
     g = gen(6)
     x = rows(g, 9, 256)
@@ -292,7 +312,8 @@ def test_each_call_is_one_dispatcher_op(options):
 def test_meta_tensors_give_the_output_shape():
     args = small_args(gen(9))
     x, w, ws = (t.to("meta") for t in args["fp8_linear"])
-    assert ops.fp8_linear(x, w, ws, True, "torch").shape == (2, 64)
+    assert ops.fp8_linear(x, w, ws, True, "torch", torch.bfloat16).shape == (2, 64)
+    assert ops.fp8_linear(x, w, ws, True, "torch", torch.float32).dtype == torch.float32
     x, w, ws, offs = (t.to("meta") for t in args["fp4_grouped_linear"])
     out = ops.fp4_grouped_linear(x, w, ws, offs, True, "torch", "ocp")
     assert out.shape == (2, 64) and out.dtype == torch.bfloat16
@@ -310,6 +331,7 @@ def test_bad_arguments_are_named():
          "weight_scale must have shape"),
         (lambda: fp8_linear(x, w, ws.view(torch.int8)), TypeError, "weight_scale must have dtype"),
         (lambda: fp8_linear(x, w, ws, scale_fmt="e4m3"), ValueError, "scale_fmt"),
+        (lambda: fp8_linear(x, w, ws, out_dtype=torch.float16), ValueError, "out_dtype"),
         (lambda: fp8_linear(x, w, ws, options="torch"), TypeError, "options must be"),
     ]
     x4, w4, ws4, offs = small_args(g)["fp4_grouped_linear"]
