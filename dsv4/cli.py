@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from .cli_errors import UsageError
@@ -12,15 +13,18 @@ from .cli_errors import UsageError
 class StderrWarnings(logging.Handler):
     """The packages' warnings (an ignored config key, an unusable prefix-cache file) as one
     `warning: ...` line on stderr, each message once (config.json is read before the estimate
-    and again by the loader): the library only logs them, the command line shows them."""
+    and again by the loader): the library only logs them, the command line shows them.
+    silent: a tensor-parallel rank other than 0, which prints only errors (rank 0 shows the
+    warnings, which every rank would repeat)."""
 
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
         self.seen: set[str] = set()
+        self.silent = False
 
     def emit(self, record: logging.LogRecord) -> None:
         message = record.getMessage()
-        if message not in self.seen:
+        if not self.silent and message not in self.seen:
             self.seen.add(message)
             print(f"warning: {message}", file=sys.stderr)
 
@@ -142,7 +146,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def peer_failure_line(e: BaseException) -> str:
     """One line for a collective that failed because another tensor-parallel rank stopped."""
-    import os
 
     first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
     return (f"rank {os.environ.get('RANK', '?')}: another tensor-parallel rank stopped or stopped "
@@ -155,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     loggers = [logging.getLogger(package) for package in ("dsv4", "mem_pool", "hip_kernels")]
     WARNINGS.seen.clear()
+    WARNINGS.silent = os.environ.get("RANK", "0") != "0"     # torchrun's rank of this process
     for logger in loggers:
         logger.addHandler(WARNINGS)
     try:

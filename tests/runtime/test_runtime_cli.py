@@ -233,8 +233,10 @@ def test_a_truncated_shard_is_one_line(tmp_path, capsys, flag_env):
     assert err[0].startswith(f"error: {shard}: not a readable safetensors file")
 
 
-def test_unknown_config_keys_are_one_warning_line(tmp_path, capsys, flag_env, nothing_built):
-    """Read before the estimate and again by the loader, the config warns once, on stderr."""
+def test_unknown_config_keys_are_one_warning_line(tmp_path, capsys, flag_env, nothing_built,
+                                                  monkeypatch):
+    """Read before the estimate and again by the loader, the config warns once, on stderr; a
+    tensor-parallel rank other than 0 prints only the error."""
     d = {**ModelConfig.preset("tiny").to_dict(), "foo": 1, "bar": 2}
     (tmp_path / "config.json").write_text(json.dumps(d))
     rc, _, err = run_main(capsys, "--model-path", str(tmp_path), "--prompt-ids", "1,2,3",
@@ -242,6 +244,10 @@ def test_unknown_config_keys_are_one_warning_line(tmp_path, capsys, flag_env, no
     assert rc == 2
     assert err[0] == f"warning: {tmp_path}/config.json: ignoring unknown config keys: bar, foo"
     assert len(err) == 2 and err[1].startswith("error: a prompt of 3 tokens")
+    monkeypatch.setenv("RANK", "1")     # another torchrun rank: the error alone
+    rc, _, err = run_main(capsys, "--model-path", str(tmp_path), "--prompt-ids", "1,2,3",
+                          "--max-new-tokens", "5000")
+    assert rc == 2 and len(err) == 1 and err[0].startswith("error: a prompt of 3 tokens")
 
 
 def test_a_checkpoints_default_weights_follow_what_it_stores(tmp_path):
