@@ -21,13 +21,17 @@ The step's ``Options`` ride along (``meta.options``): every layer reads its nume
 kernel options and its prepare mode from there, never from the environment.
 
 Decode metadata is built with tensor ops only (no host synchronization, shapes fixed by
-``max_context_len``), so it can be captured into a graph with the step.
+``max_context_len``), so it can be captured into a graph with the step. The tensors are one
+dispatcher op (``torch.ops.dsv4.attention_plan``, whose body is ``attention_plan_ref``): a
+step's metadata costs one launch, not a hundred.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 import torch
+
+from hip_kernels.library import define_op, ops
 
 from .forward_batch import ForwardBatch
 from .options import Options
@@ -82,11 +86,61 @@ def build_attention_metadata(batch: ForwardBatch, req_to_token: torch.Tensor,
     ratio in the model to its state ring size. ``max_rows`` fixes the number of compressed rows
     per query per ratio (decode under graphs); by default it is the batch's maximum (a host
     read: extend only)."""
-    dev = batch.positions.device
-    pos = batch.positions.long()
-    rows_of_token = batch.token_request_rows()
-    req = batch.req_pool_indices.long()[rows_of_token]
-    seq_len = batch.seq_lens.long()[rows_of_token]
+    decode = batch.is_decode
+    rows_of_token = None if decode else batch.token_request_rows()
+    first_new = (None if decode else
+                 (batch.seq_lens.long() - batch.extend_seq_lens.long())[rows_of_token])
+    tokens = [_plan_tokens(batch, ratio) for ratio in ratios]
+    n_rows = [_plan_rows(batch, ratio, None if max_rows is None else max_rows.get(ratio))
+              for ratio in ratios]
+    out = ops.attention_plan(batch.positions, batch.req_pool_indices, batch.seq_lens,
+                             rows_of_token, first_new, req_to_token, full_to_swa, swa_write_loc,
+                             window, list(ratios), list(ratios.values()), tokens, n_rows)
+    plans = {ratio: CompressPlan(ratio, ring, *out[2 + PLAN_TENSORS * i:][:PLAN_TENSORS])
+             for i, (ratio, ring) in enumerate(ratios.items())}
+    width = (None if decode else
+             prefill_window_width(batch, window)[batch.token_request_rows()])
+    return AttentionMetadata(batch.positions.long(), out[0], out[1], plans, swa_write_loc,
+                             options, width)
+
+
+def _plan_tokens(batch: ForwardBatch, ratio: int) -> torch.Tensor | None:
+    """The candidate tokens of a ratio's plan: those closing a window where the positions are
+    known on the host (or in an extend); None in a decode step without them (every token: a
+    captured step's fixed shape)."""
+    if batch.host_positions is not None:
+        return torch.tensor([i for i, p in enumerate(batch.host_positions)
+                             if (p + 1) % ratio == 0], dtype=torch.int64,
+                            device=batch.positions.device)
+    if batch.is_decode:
+        return None
+    return torch.nonzero((batch.positions.long() + 1) % ratio == 0).flatten()
+
+
+def _plan_rows(batch: ForwardBatch, ratio: int, n_rows: int | None) -> int:
+    """Compressed rows per query: given, else the batch's largest visible count (from the
+    host's max_seq_len, or read from the positions: extend only)."""
+    n = batch.positions.shape[0]
+    if n_rows is None and batch.max_seq_len is not None:
+        return batch.max_seq_len // ratio if n else 0
+    if n_rows is None:
+        return int(((batch.positions.long() + 1) // ratio).max()) if n else 0
+    return n_rows
+
+
+def attention_plan_ref(positions, req_pool_indices, seq_lens, rows_of_token, first_new,
+                       req_to_token, full_to_swa, swa_write_loc, window, ratios, rings, tokens,
+                       n_rows) -> list[torch.Tensor]:
+    """The step's metadata tensors: window_loc, window_valid, then per ratio the CompressPlan
+    fields from tokens on (``PLAN_TENSORS`` each). rows_of_token / first_new None: a decode
+    step's (each request one token, at its position); tokens[i] None: every token."""
+    dev = positions.device
+    pos = positions.long()
+    req = req_pool_indices.long()
+    seq_len = seq_lens.long()
+    if rows_of_token is not None:
+        req, seq_len = req[rows_of_token], seq_len[rows_of_token]
+    first_new = pos if first_new is None else first_new
     ctx = req_to_token.shape[1]
 
     def full_loc(r, p):
@@ -100,18 +154,11 @@ def build_attention_metadata(batch: ForwardBatch, req_to_token: torch.Tensor,
     if swa_write_loc is not None:
         window_loc = torch.cat([window_loc, swa_write_loc.to(torch.int32)[:, None]], 1)
         window_valid = torch.nn.functional.pad(window_valid, (0, 1), value=True)
-
-    if batch.is_decode:
-        first_new = pos
-    else:
-        first_new = (batch.seq_lens.long() - batch.extend_seq_lens.long())[rows_of_token]
-    plans = {}
-    for ratio, ring in ratios.items():
-        n_rows = None if max_rows is None else max_rows.get(ratio)
-        plans[ratio] = _compress_plan(batch, ratio, ring, pos, req, seq_len, first_new, full_loc,
-                                      n_rows)
-    width = None if batch.is_decode else prefill_window_width(batch, window)[rows_of_token]
-    return AttentionMetadata(pos, window_loc, window_valid, plans, swa_write_loc, options, width)
+    out = [window_loc, window_valid]
+    for ratio, ring, tok, rows in zip(ratios, rings, tokens, n_rows):
+        tok = torch.arange(pos.shape[0], device=dev) if tok is None else tok
+        out += _compress_plan(ratio, ring, tok, pos, req, seq_len, first_new, full_loc, rows)
+    return out
 
 
 def prefill_window_width(batch: ForwardBatch, window: int) -> torch.Tensor:
@@ -123,16 +170,8 @@ def prefill_window_width(batch: ForwardBatch, window: int) -> torch.Tensor:
     return torch.where(from_start, new.clamp(max=window), window)
 
 
-def _compress_plan(batch, ratio, ring, pos, req, seq_len, first_new, full_loc, n_rows):
+def _compress_plan(ratio, ring, tokens, pos, req, seq_len, first_new, full_loc, n_rows):
     dev = pos.device
-    n = pos.shape[0]
-    if batch.host_positions is not None:
-        tokens = torch.tensor([i for i, p in enumerate(batch.host_positions)
-                               if (p + 1) % ratio == 0], dtype=torch.int64, device=dev)
-    elif batch.is_decode:
-        tokens = torch.arange(n, device=dev)
-    else:
-        tokens = torch.nonzero((pos + 1) % ratio == 0).flatten()
     p = pos[tokens]
     width = ring             # a pool reads as many rows as the ring keeps (8 overlapping at 4)
     qpos = p[:, None] - torch.arange(width - 1, -1, -1, device=dev)        # oldest first
@@ -147,12 +186,32 @@ def _compress_plan(batch, ratio, ring, pos, req, seq_len, first_new, full_loc, n
     state_write = torch.where(keep, state_ring_rows(req, pos, ring), -1)
 
     visible = (pos + 1) // ratio
-    if n_rows is None and batch.max_seq_len is not None:
-        n_rows = batch.max_seq_len // ratio if n else 0             # the largest visible count
-    elif n_rows is None:
-        n_rows = int(visible.max()) if n else 0
     c = torch.arange(n_rows, device=dev)
     row_valid = c[None] < visible[:, None]
     row_loc = torch.where(row_valid, full_loc(req[:, None], c[None] * ratio) // ratio, 0)
-    return CompressPlan(ratio, ring, tokens, src_state, src_new, p // ratio > 0, window_start,
-                        emit_loc, state_write, row_loc, row_valid, seq_len // ratio)
+    return [tokens, src_state, src_new, p // ratio > 0, window_start, emit_loc, state_write,
+            row_loc, row_valid, seq_len // ratio]
+
+
+def _attention_plan_fake(positions, req_pool_indices, seq_lens, rows_of_token, first_new,
+                         req_to_token, full_to_swa, swa_write_loc, window, ratios, rings, tokens,
+                         n_rows):
+    n = positions.shape[0]
+    out = [positions.new_empty(n, window, dtype=torch.int32),
+           positions.new_empty(n, window, dtype=torch.bool)]
+    for ring, tok, rows in zip(rings, tokens, n_rows):
+        m = n if tok is None else tok.shape[0]
+        i64 = dict(dtype=torch.int64)
+        out += [positions.new_empty(m, **i64), positions.new_empty(m, ring, **i64),
+                positions.new_empty(m, ring, **i64), positions.new_empty(m, dtype=torch.bool),
+                positions.new_empty(m, **i64), positions.new_empty(m, **i64),
+                positions.new_empty(n, **i64), positions.new_empty(n, rows, **i64),
+                positions.new_empty(n, rows, dtype=torch.bool), positions.new_empty(n, **i64)]
+    return out
+
+
+PLAN_TENSORS = 10     # CompressPlan's tensor fields, tokens .. row_width
+define_op("attention_plan", "(Tensor positions, Tensor req_pool_indices, Tensor seq_lens, "
+          "Tensor? rows_of_token, Tensor? first_new, Tensor req_to_token, Tensor full_to_swa, "
+          "Tensor? swa_write_loc, int window, int[] ratios, int[] rings, Tensor?[] tokens, "
+          "int[] n_rows) -> Tensor[]", attention_plan_ref, _attention_plan_fake)

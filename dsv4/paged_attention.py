@@ -17,6 +17,7 @@ import torch
 from hip_kernels import KernelOptions, kv_layout, set_kv
 from hip_kernels.decode_attention import sparse_decode_attention
 from hip_kernels.indexer_scores import indexer_scores
+from hip_kernels.indexer_topk import picked_rows
 
 from . import streams
 
@@ -77,23 +78,15 @@ class RingRowCapture:
 def run_compressor(comp: Compressor, x: torch.Tensor, positions: torch.Tensor, plan: CompressPlan,
                    state: torch.Tensor, store, freqs_cis: torch.Tensor,
                    reference: bool) -> torch.Tensor:
-    """One step of a compressor: pool every candidate's window (rows from the state ring or from
-    this step), emit the boundary rows through ``store(rows, loc)`` (negative loc = skip), then
-    keep this step's (kv, score) rows in the ring. state: fp32 [ring rows, 2 * width];
+    """One step of a compressor (two ops and the store): pool every candidate's window (rows
+    from the state ring or from this step), keep this step's (kv, score) rows in the ring, emit
+    the boundary rows through ``store(rows, loc)`` (negative loc = skip). state: fp32 [ring rows, 2 * width];
     reference: the reference numerics. Returns this step's (kv, score) rows [N, 2 * width], the
     rows a ring would keep."""
-    kv, score = comp.project(x, positions)
-    width = kv.shape[1]
-    new = torch.cat([kv, score], 1)
+    new = comp.project(x, positions)
+    out = comp.update(new, state, plan, freqs_cis, x.dtype, reference)
     if plan.tokens.numel():              # a shape, known on the host: no window closes here
-        from_new = (plan.src_new >= 0).unsqueeze(-1)
-        rows = torch.where(from_new, new[plan.src_new.clamp(min=0)],
-                           state[plan.src_state.clamp(min=0)])
-        pooled = comp.pool(rows[..., :width], rows[..., width:], plan.has_prev)
-        out = comp.finish(pooled, freqs_cis[plan.window_start.clamp(min=0)], x.dtype, reference)
-        store(out.contiguous(), plan.emit_loc)
-    keep = plan.state_write >= 0
-    state.index_copy_(0, torch.where(keep, plan.state_write, state.shape[0] - 1), new)
+        store(out, plan.emit_loc)
     return new
 
 
@@ -106,7 +99,7 @@ def select_rows(indexer: Indexer, qr, x, freqs, plan: CompressPlan, rows: slice,
     loc, visible = plan.row_loc[rows], plan.row_valid[rows]
     scores = indexer_scores(q, w, cache, loc, visible, page_size, options=options.kernel)
     pick = indexer.select(scores, visible, options, plan.row_width[rows])
-    return loc.gather(1, pick.clamp(min=0)), pick >= 0
+    return picked_rows(loc, pick)
 
 
 def read_kv_shared(cache: torch.Tensor, loc: torch.Tensor, page_size: int) -> torch.Tensor:

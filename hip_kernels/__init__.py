@@ -17,7 +17,7 @@ from .decode_attention import sparse_decode_attention
 from .grouped_out_proj import grouped_out_proj
 from .indexer_query import indexer_query
 from .indexer_scores import indexer_scores
-from .indexer_topk import indexer_topk
+from .indexer_topk import indexer_topk, picked_rows
 from .kv_layout import (dequantize_kv_rows, indexer_page_bytes, page_bytes, quantize_kv_rows,
                         read_indexer_rows, read_kv_rows)
 from .mhc_fused import hc_post, hc_pre
@@ -42,6 +42,6 @@ __all__ = [
     "fused_k_norm_rope_store", "fused_store_cache", "store_kv_pack", "indexer_store",
     "fused_translate_norm_rope_store", "hc_split", "hc_pre", "hc_post", "moe_route", "moe_routed",
     "moe_shared", "sparse_decode_attention", "indexer_scores",
-    "rms_norm", "indexer_query", "indexer_topk", "grouped_out_proj",
+    "rms_norm", "indexer_query", "indexer_topk", "picked_rows", "grouped_out_proj",
     "act_quant", "ocp_to_fnuz", "fp8_linear", "fp8_grouped_linear", "fp4_grouped_linear",
 ]

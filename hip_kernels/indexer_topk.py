@@ -1,5 +1,6 @@
 """The lightning indexer's choice of rows, as one dispatcher op (`torch.ops.dsv4.indexer_topk`):
-the top k of each query's scores among its visible rows, -1 where fewer rows are visible.
+the top k of each query's scores among its visible rows, -1 where fewer rows are visible; and
+`torch.ops.dsv4.picked_rows`, the picked rows' locations and validity (a gather, one op).
 
     masked = scores, -inf where not visible;  (vals, idx) = top k of masked;
     pick = idx, -1 where vals == -inf
@@ -94,3 +95,23 @@ def indexer_topk(scores: torch.Tensor, visible: torch.Tensor, k: int, *,
         check_tensor("width", width, dtype=torch.int64, shape=(scores.shape[0],),
                      device=scores.device)
     return ops.indexer_topk(scores, visible, k, bool(use_aiter), width)
+
+
+def picked_rows_ref(loc: torch.Tensor, pick: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return loc.gather(1, pick.clamp(min=0)), pick >= 0
+
+
+def _picked_fake(loc, pick):
+    return loc.new_empty(pick.shape), pick.new_empty(pick.shape, dtype=torch.bool)
+
+
+define_op("picked_rows", "(Tensor loc, Tensor pick) -> (Tensor, Tensor)", picked_rows_ref,
+          _picked_fake)
+
+
+def picked_rows(loc: torch.Tensor, pick: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the picked rows' locations [N, k], valid [N, k]) from each query's candidate locations
+    loc [N, T] and ``indexer_topk``'s pick [N, k] (-1: none, location 0, not valid): one op."""
+    check_tensor("loc", loc, dim=2)
+    check_tensor("pick", pick, dtype=torch.int64, shape=(loc.shape[0], None), device=loc.device)
+    return ops.picked_rows(loc, pick)

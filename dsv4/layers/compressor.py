@@ -19,11 +19,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hip_kernels.activation_sim import fp4_quant_dequant, hadamard_rotate
+from hip_kernels.compressor_update import compressor_project, compressor_update, pool_windows
 
 from .linear import Linear
 from .norm import RMSNorm
-from .rope import rope_tail
 
 
 class Compressor(nn.Module):
@@ -53,35 +52,26 @@ class Compressor(nn.Module):
         """Rows one pool reads: previous + current window with overlap, else one window."""
         return self.coff * self.ratio
 
-    def project(self, x: torch.Tensor,
-                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """kv [N, coff*d] and score [N, coff*d] (ape included), fp32."""
-        xf = x.float()
-        return self.wkv(xf), self.wgate(xf) + self.ape[positions.long() % self.ratio]
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """This step's rows [N, 2 * coff*d]: kv | score (ape included), fp32 (one op,
+        ``hip_kernels.compressor_project``)."""
+        return compressor_project(x, self.wkv.weight, self.wgate.weight, self.ape, positions,
+                                  self.ratio)
+
+    def update(self, new: torch.Tensor, state: torch.Tensor, plan, freqs_cis: torch.Tensor,
+               dtype: torch.dtype, reference: bool) -> torch.Tensor:
+        """Compressed rows [M, d] in dtype of the plan's candidate windows (pooled from the
+        ring state and this step's rows new, then finished: see the module docstring), and new
+        kept in the ring at plan.state_write; one op (``hip_kernels.compressor_update``).
+        freqs_cis: the layer's RoPE table; reference: the reference numerics."""
+        return compressor_update(new, state, plan, freqs_cis, self.norm.weight, self.norm.eps,
+                                 ratio=self.ratio, head_dim=self.head_dim,
+                                 rope_dim=self.rope_dim, overlap=self.overlap,
+                                 rotate=self.rotate, reference=reference, dtype=dtype)
 
     def pool(self, kv: torch.Tensor, score: torch.Tensor,
              has_prev: torch.Tensor | None = None) -> torch.Tensor:
         """Pool windows: kv, score [M, window_rows, coff*d] in position order (with overlap the
         first ``ratio`` rows are the previous window); has_prev [M] bool says whether that previous
         window exists (rows of a missing one are ignored, whatever they hold). fp32 [M, d]."""
-        if self.overlap:
-            d, r = self.head_dim, self.ratio
-            kv = torch.cat([kv[:, :r, :d], kv[:, r:, d:]], 1)
-            score = torch.cat([score[:, :r, :d], score[:, r:, d:]], 1)
-            if has_prev is not None:
-                drop = torch.zeros(kv.shape[:2], dtype=torch.bool, device=kv.device)
-                drop[:, :r] = ~has_prev.view(-1, 1)
-                kv = kv.masked_fill(drop.unsqueeze(-1), 0.0)
-                score = score.masked_fill(drop.unsqueeze(-1), float("-inf"))
-        return (kv * score.softmax(dim=1)).sum(dim=1)
-
-    def finish(self, pooled: torch.Tensor, freqs_cis: torch.Tensor, dtype: torch.dtype,
-               reference: bool) -> torch.Tensor:
-        """Compressed rows [M, d] in dtype: norm, RoPE at the window start (freqs_cis [M, rope/2])
-        and, for the indexer, Hadamard rotation (in the reference numerics' order when
-        reference) and FP4 simulation."""
-        kv = self.norm(pooled.to(dtype))
-        kv = rope_tail(kv, freqs_cis, self.rope_dim)
-        if self.rotate:
-            kv = fp4_quant_dequant(hadamard_rotate(kv, reference))
-        return kv
+        return pool_windows(kv, score, has_prev, self.head_dim, self.ratio, self.overlap)

@@ -10,7 +10,7 @@ from hip_kernels import KernelOptions
 from hip_kernels.activation_sim import fp4_quant_dequant, hadamard_rotate
 from hip_kernels.grouped_out_proj import grouped_out_proj
 from hip_kernels.indexer_query import indexer_query
-from hip_kernels.indexer_topk import indexer_topk
+from hip_kernels.indexer_topk import indexer_topk, picked_rows
 from hip_kernels.rotary import rope_tail
 from op_recorder import op_names
 
@@ -45,6 +45,11 @@ def test_indexer_topk_keeps_the_visible_best():
     assert pick.tolist() == [[1, 2, 0], [1, -1, -1]]
     assert op_names(lambda: indexer_topk(scores, visible, 3, use_aiter=False)) == [
         "dsv4::indexer_topk"]
+    loc = torch.tensor([[10, 11, 12, 13], [20, 21, 22, 23]])
+    rows, valid = picked_rows(loc, pick)
+    assert rows.tolist() == [[11, 12, 10], [21, 20, 20]]
+    assert valid.tolist() == [[True] * 3, [True, False, False]]
+    assert op_names(lambda: picked_rows(loc, pick)) == ["dsv4::picked_rows"]
 
 
 def test_grouped_out_proj_is_the_unfused_chain():
@@ -71,3 +76,46 @@ def test_grouped_out_proj_is_the_unfused_chain():
 def test_bad_arguments_are_refused(call, match):
     with pytest.raises((TypeError, ValueError), match=match):
         call()
+
+
+def test_compressor_ops_are_the_unfused_chain():
+    """A ratio-4 (overlap) indexer compressor: two candidate windows, one without a previous
+    window; the ring keeps the new rows after the pool has read the old ones (ring row 0 is
+    both read and overwritten)."""
+    from types import SimpleNamespace
+
+    from hip_kernels.compressor_update import (compressor_project, compressor_update,
+                                               finish_rows, pool_windows)
+    n, dim, d, ratio, rope = 4, 32, 32, 4, 16
+    width = 2 * d
+    x = randn(n, dim, seed=6)
+    wkv, wgate = randn(width, dim, seed=7, dtype=torch.float32), randn(width, dim, seed=8,
+                                                                       dtype=torch.float32)
+    ape = randn(ratio, width, seed=9, dtype=torch.float32)
+    pos = torch.tensor([3, 7, 4, 5])
+    new = compressor_project(x, wkv, wgate, ape, pos, ratio)
+    xf = x.float()
+    assert torch.equal(new, torch.cat([xf @ wkv.T, xf @ wgate.T + ape[pos % ratio]], 1))
+
+    state = randn(17, 2 * width, seed=10, dtype=torch.float32)
+    plan = SimpleNamespace(src_state=torch.tensor([[0, 1, 2, 3, 4, 5, 6, -1], [-1] * 8]),
+                           src_new=torch.tensor([[-1] * 7 + [1], [0] * 8]),
+                           has_prev=torch.tensor([True, False]), window_start=torch.tensor([4, 0]),
+                           state_write=torch.tensor([0, -1, 9, 10]))
+    table = freqs(16, rope, 11)
+    w = torch.rand(d) + 0.5
+    before = state.clone()
+    rows = torch.where((plan.src_new >= 0).unsqueeze(-1), new[plan.src_new.clamp(min=0)],
+                       before[plan.src_state.clamp(min=0)])
+    pooled = pool_windows(rows[..., :width], rows[..., width:], plan.has_prev, d, ratio, True)
+    want = finish_rows(pooled, w, 1e-6, table[plan.window_start], rope, True, torch.bfloat16,
+                       True)
+    got = compressor_update(new, state, plan, table, w, 1e-6, ratio=ratio, head_dim=d,
+                            rope_dim=rope, overlap=True, rotate=True, reference=True,
+                            dtype=torch.bfloat16)
+    assert torch.equal(got, want)
+    assert torch.equal(state[[0, 9, 10]], new[[0, 2, 3]]) and torch.equal(state[1:9], before[1:9])
+    assert op_names(lambda: compressor_update(new, state, plan, table, w, 1e-6, ratio=ratio,
+                                              head_dim=d, rope_dim=rope, overlap=True,
+                                              rotate=True, reference=True,
+                                              dtype=torch.bfloat16)) == ["dsv4::compressor_update"]

@@ -47,8 +47,8 @@ class ChoiceRecorder:
                        if not l.ffn.gate.hash}
         select, gate = Indexer.select, Gate.forward
 
-        def record_select(ind, scores, visible, options):
-            out = select(ind, scores, visible, options)
+        def record_select(ind, scores, visible, options, *rest):
+            out = select(ind, scores, visible, options, *rest)
             self.picks[id(ind)][1].append(out)
             return out
 
@@ -130,28 +130,29 @@ def test_paged_logits_match_the_dense_reference(model, monkeypatch, prompt_len, 
     assert route_regret <= ROUTE_REGRET_TOL, f"expert routing regret {route_regret:.3f}"
 
 
-def _no_previous_window(comp, kv, score, has_prev=None):
-    return _POOL(comp, kv, score, torch.zeros_like(has_prev) if has_prev is not None else None)
+def _no_previous_window(kv, score, has_prev, *shape):
+    return _POOL(kv, score, torch.zeros_like(has_prev) if has_prev is not None else None, *shape)
 
 
-def _no_sink(attn, q, kv, valid, reference):
+def _no_sink(attn, q, kv, valid, reference, *rest):
     with torch.no_grad():
         saved = attn.attn_sink.clone()
         attn.attn_sink.fill_(float("-inf"))
         try:
-            return _SPARSE(attn, q, kv, valid, reference)
+            return _SPARSE(attn, q, kv, valid, reference, *rest)
         finally:
             attn.attn_sink.copy_(saved)
 
 
 from dsv4.layers.attention import Attention  # noqa: E402
-from dsv4.layers.compressor import Compressor  # noqa: E402
+from hip_kernels import compressor_update  # noqa: E402
 
-_POOL, _SPARSE = Compressor.pool, Attention.sparse_attention
+_POOL, _SPARSE = compressor_update.pool_windows, Attention.sparse_attention
 
 
 @pytest.mark.parametrize("target, mutant", [
-    (Compressor, ("pool", _no_previous_window)),       # C4 overlap without the previous window
+    (compressor_update, ("pool_windows", _no_previous_window)),  # C4 overlap without the
+    #                                                              previous window
     (Attention, ("sparse_attention", _no_sink)),       # the sink left out of the denominator
 ])
 def test_the_comparison_catches_a_semantic_mistake(model, monkeypatch, target, mutant):

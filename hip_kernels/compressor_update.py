@@ -1,0 +1,138 @@
+"""A KV compressor's step as two dispatcher ops (about fifty torch ops unfused):
+
+- `torch.ops.dsv4.compressor_project`: each new token's (kv, score) row, fp32
+  [N, 2 * width] = [x @ wkv^T | x @ wgate^T + ape[pos % ratio]] (x in fp32).
+- `torch.ops.dsv4.compressor_update`: for each candidate window (M of them, M = 0 on a step
+  where none closes), gather its rows from the state ring or from this step's rows, pool them
+  (softmax of the scores over the window, per channel; with overlap the previous window's A
+  halves and this window's B halves, a missing previous window ignored), round to the model
+  dtype, RMSNorm, RoPE at the window's first position and, for the indexer's compressor, the
+  Hadamard rotation and the FP4 simulation; then write this step's rows into the ring (in place,
+  after the pool has read it). Returns the M compressed rows; the caller stores them (the cache's
+  quantization is the set-KV family's).
+
+The torch references (CPU path and oracle) are the model's expressions, so its bits are
+unchanged. There is no Triton kernel yet: on a GPU each op's body runs the torch chain
+(several kernels inside one dispatcher op).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .activation_sim import fp4_quant_dequant, hadamard_rotate
+from .checks import check_tensor
+from .library import define_op, ops
+from .rms_norm import rms_norm_ref
+from .rotary import rope_tail
+
+
+def compressor_project_ref(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor,
+                           ape: torch.Tensor, positions: torch.Tensor,
+                           ratio: int) -> torch.Tensor:
+    xf = x.float()
+    return torch.cat([F.linear(xf, wkv), F.linear(xf, wgate) + ape[positions.long() % ratio]], 1)
+
+
+def pool_windows(kv: torch.Tensor, score: torch.Tensor, has_prev: torch.Tensor | None,
+                 head_dim: int, ratio: int, overlap: bool) -> torch.Tensor:
+    """kv, score [M, window_rows, coff * d] in position order (with overlap the first ``ratio``
+    rows are the previous window; has_prev [M] says whether it exists) -> fp32 [M, d]."""
+    if overlap:
+        d, r = head_dim, ratio
+        kv = torch.cat([kv[:, :r, :d], kv[:, r:, d:]], 1)
+        score = torch.cat([score[:, :r, :d], score[:, r:, d:]], 1)
+        if has_prev is not None:
+            drop = torch.zeros(kv.shape[:2], dtype=torch.bool, device=kv.device)
+            drop[:, :r] = ~has_prev.view(-1, 1)
+            kv = kv.masked_fill(drop.unsqueeze(-1), 0.0)
+            score = score.masked_fill(drop.unsqueeze(-1), float("-inf"))
+    return (kv * score.softmax(dim=1)).sum(dim=1)
+
+
+def finish_rows(pooled: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                freqs_cis: torch.Tensor, rope_dim: int, rotate: bool, dtype: torch.dtype,
+                reference: bool) -> torch.Tensor:
+    """Pooled fp32 rows [M, d] -> compressed rows in dtype: norm, RoPE (freqs_cis [M, rope/2]),
+    and with rotate the Hadamard rotation (reference numerics' order when reference) + FP4."""
+    kv = rms_norm_ref(pooled.to(dtype), norm_weight, eps)
+    kv = rope_tail(kv, freqs_cis, rope_dim)
+    if rotate:
+        kv = fp4_quant_dequant(hadamard_rotate(kv, reference))
+    return kv
+
+
+def compressor_update_ref(new, state, src_state, src_new, has_prev, window_start, state_write,
+                          freqs_table, norm_weight, eps, ratio, head_dim, rope_dim, overlap,
+                          rotate, reference, dtype):
+    width = new.shape[1] // 2
+    if src_state.shape[0]:
+        from_new = (src_new >= 0).unsqueeze(-1)
+        rows = torch.where(from_new, new[src_new.clamp(min=0)], state[src_state.clamp(min=0)])
+        pooled = pool_windows(rows[..., :width], rows[..., width:], has_prev, head_dim, ratio,
+                              overlap)
+        out = finish_rows(pooled, norm_weight, eps, freqs_table[window_start.clamp(min=0)],
+                          rope_dim, rotate, dtype, reference).contiguous()
+    else:
+        out = new.new_empty(0, head_dim, dtype=dtype)
+    keep = state_write >= 0
+    state.index_copy_(0, torch.where(keep, state_write, state.shape[0] - 1), new)
+    return out
+
+
+def _project_fake(x, wkv, wgate, ape, positions, ratio):
+    return x.new_empty(x.shape[0], 2 * wkv.shape[0], dtype=torch.float32)
+
+
+def _update_fake(new, state, src_state, src_new, has_prev, window_start, state_write,
+                 freqs_table, norm_weight, eps, ratio, head_dim, rope_dim, overlap, rotate,
+                 reference, dtype):
+    return new.new_empty(src_state.shape[0], head_dim, dtype=dtype)
+
+
+define_op("compressor_project", "(Tensor x, Tensor wkv, Tensor wgate, Tensor ape, "
+          "Tensor positions, int ratio) -> Tensor", compressor_project_ref, _project_fake)
+define_op("compressor_update", "(Tensor new, Tensor(a!) state, Tensor src_state, "
+          "Tensor src_new, Tensor has_prev, Tensor window_start, Tensor state_write, "
+          "Tensor freqs_table, Tensor norm_weight, float eps, int ratio, int head_dim, "
+          "int rope_dim, bool overlap, bool rotate, bool reference, ScalarType dtype) -> Tensor",
+          compressor_update_ref, _update_fake)
+
+
+def compressor_project(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor,
+                       ape: torch.Tensor, positions: torch.Tensor, ratio: int) -> torch.Tensor:
+    """fp32 [N, 2 * width] (kv | score) of x [N, dim] with the fp32 weights wkv, wgate
+    [width, dim] and ape [ratio, width]; positions [N] (integer)."""
+    check_tensor("x", x, dim=2)
+    check_tensor("wkv", wkv, dtype=torch.float32, shape=(None, x.shape[1]), device=x.device)
+    check_tensor("wgate", wgate, dtype=torch.float32, shape=tuple(wkv.shape), device=x.device)
+    check_tensor("ape", ape, dtype=torch.float32, shape=(ratio, wkv.shape[0]), device=x.device)
+    check_tensor("positions", positions, dtypes=(torch.int32, torch.int64),
+                 shape=(x.shape[0],), device=x.device)
+    return ops.compressor_project(x, wkv, wgate, ape, positions, ratio)
+
+
+def compressor_update(new: torch.Tensor, state: torch.Tensor, plan, freqs_table: torch.Tensor,
+                      norm_weight: torch.Tensor, eps: float, *, ratio: int, head_dim: int,
+                      rope_dim: int, overlap: bool, rotate: bool, reference: bool,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """The M compressed rows [M, head_dim] in dtype of the plan's candidate windows, and this
+    step's rows new [N, 2 * width] written into the ring state [rows, 2 * width] (fp32, in
+    place) at plan.state_write (-1: not kept). plan: the step's compressor plan for this ratio
+    (src_state, src_new [M, R], has_prev, window_start [M], state_write [N]); freqs_table: the
+    layer's RoPE table [positions, rope_dim / 2]."""
+    check_tensor("new", new, dtype=torch.float32, dim=2)
+    check_tensor("state", state, dtype=torch.float32, shape=(None, new.shape[1]),
+                 device=new.device)
+    m = plan.src_state.shape[0]
+    check_tensor("plan.src_new", plan.src_new, shape=tuple(plan.src_state.shape),
+                 device=new.device)
+    check_tensor("plan.state_write", plan.state_write, shape=(new.shape[0],), device=new.device)
+    check_tensor("plan.window_start", plan.window_start, shape=(m,), device=new.device)
+    check_tensor("freqs_table", freqs_table, dtype=torch.complex64, dim=2, device=new.device)
+    check_tensor("norm_weight", norm_weight, shape=(head_dim,), device=new.device)
+    return ops.compressor_update(new, state, plan.src_state, plan.src_new, plan.has_prev,
+                                 plan.window_start, plan.state_write, freqs_table, norm_weight,
+                                 float(eps), ratio, head_dim, rope_dim, overlap, rotate,
+                                 reference, dtype)
