@@ -286,7 +286,7 @@ def test_indexer_select_dispatches(aiter_env):
     from dsv4.options import Options
     _, install = aiter_env
     stub = install()
-    ix = types.SimpleNamespace(topk=4)
+    ix = types.SimpleNamespace(topk=4, sum_scores_over_ranks=lambda scores: scores)  # one rank
     s = _scores(n=3, t=6)
     visible = torch.ones(3, 6, dtype=torch.bool)
     visible[1, 2:] = False
