@@ -154,8 +154,6 @@ def instrument_ours(model, rec: Recorder):
     for lid, layer in enumerate(model.layers):
         layer.register_forward_pre_hook(lambda m, a, lid=lid: setattr(rec, "layer", lid))
         layer.register_forward_hook(lambda m, a, o: rec.put("layer.out", o[0]))
-        layer.attn_norm.register_forward_hook(lambda m, a, o: rec.put("attn_norm", o[0]))
-        layer.ffn_norm.register_forward_hook(lambda m, a, o: rec.put("ffn_norm", o[0]))
         layer.attn.q_norm.register_forward_hook(lambda m, a, o: rec.put("qr", o[0]))
         layer.ffn.register_forward_hook(lambda m, a, o: rec.put("ffn.out", o[0]))
 
@@ -169,12 +167,17 @@ def instrument_ours(model, rec: Recorder):
 
     hc_pre, hc_post, attend = mhc.hc_pre, mhc.hc_post, dm.attend
 
-    def hc_pre_w(x, fn, scale, base, *rest, **kw):
+    def hc_pre_w(x, fn, scale, base, *rest, norm=None, **kw):
+        # The layer fuses attn_norm / ffn_norm into mHC pre (bit-equal to the two steps): run
+        # them apart here to record the block input before and after its norm.
         y, post, comb = hc_pre(x, fn, scale, base, *rest, **kw)
         layer = model.layers[rec.layer]
         part = "hc_attn" if fn is layer.hc_attn_fn else "hc_ffn"
         rec.put(f"{part}.y", y[0]); rec.put(f"{part}.post", post[0])
         rec.put(f"{part}.comb", comb[0])
+        if norm is not None:
+            y = norm(y)
+            rec.put("attn_norm" if part == "hc_attn" else "ffn_norm", y[0])
         return y, post, comb
 
     def hc_post_w(out, residual, post, comb):
