@@ -180,8 +180,8 @@ def instrument_ours(model, rec: Recorder):
             rec.put("attn_norm" if part == "hc_attn" else "ffn_norm", y[0])
         return y, post, comb
 
-    def hc_post_w(out, residual, post, comb):
-        r = hc_post(out, residual, post, comb)
+    def hc_post_w(out, residual, post, comb, *rest):
+        r = hc_post(out, residual, post, comb, *rest)
         if (rec.step, rec.layer, "hc_attn.out") not in rec.data:
             rec.put("hc_attn.out", r[0])
         return r
