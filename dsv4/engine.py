@@ -41,6 +41,7 @@ from .paged_attention import RingRowCapture
 from .prefix_reuse import (boundary_capture, insert_prompt_pages, load_prefix, match_prompt,
                            prefix_cache_from_options)
 from .request import Request
+from .request_checks import check_call, request_error
 from .retraction import retract, try_resume
 from .sampling import GREEDY, SamplingParams, sample
 
@@ -198,12 +199,15 @@ class Engine:
         max_context_len, or too large for the whole pool fails on its own: its `errors` entry
         says why, its tokens are empty or stop where it failed, and the other requests complete
         as they would have without it. Mistakes of the call itself raise ValueError."""
-        self._check_call(prompt_token_ids, max_new_tokens, forced_tokens)
+        vocab = self.model.config.vocab_size
+        pool_pages = min(self.allocator.size_full, self.allocator.size_swa) // self.page_size
+        check_call(prompt_token_ids, max_new_tokens, forced_tokens, vocab)
         if not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling must be a dsv4.SamplingParams, got "
                             f"{type(sampling).__name__}")
         reqs = [Request(i, list(p), max_new_tokens, forced_tokens[i] if forced_tokens else None,
-                        error=self._request_error(i, p, max_new_tokens))
+                        error=request_error(i, p, max_new_tokens, vocab, self.max_context_len,
+                                            self.page_size, pool_pages))
                 for i, p in enumerate(prompt_token_ids)]
         self._sampling = sampling
         self._generator = None if sampling.greedy else torch.Generator().manual_seed(sampling.seed)
@@ -221,50 +225,6 @@ class Engine:
                 self._release(req)
         logits = _stack_logits([r.logits for r in reqs]) if return_logits else None
         return GenerateOutput([r.out for r in reqs], logits, [r.error for r in reqs])
-
-    def _check_call(self, prompts, max_new_tokens, forced_tokens) -> None:
-        if not isinstance(prompts, (list, tuple)) or not prompts:
-            raise ValueError("prompt_token_ids must be a non-empty list of prompts (lists of ids)")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or (
-                max_new_tokens < 1):
-            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-        if forced_tokens is not None and (len(forced_tokens) != len(prompts) or any(
-                len(f) < max_new_tokens for f in forced_tokens)):
-            raise ValueError("forced_tokens needs one list of >= max_new_tokens tokens per prompt")
-        for i, forced in enumerate(forced_tokens or ()):
-            bad = self._bad_token(forced)
-            if bad is not None:
-                raise ValueError(f"forced_tokens[{i}] holds {bad!r}: token ids are ints in "
-                                 f"0..{self.model.config.vocab_size - 1}")
-
-    def _bad_token(self, ids):
-        """The first id that is not an int of the vocabulary (bools and floats included), or
-        None when all are."""
-        vocab = self.model.config.vocab_size
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                return t
-        return None
-
-    def _request_error(self, i: int, prompt, max_new_tokens: int) -> str | None:
-        """Why prompt i cannot run at all (a per-request failure), or None."""
-        if not isinstance(prompt, (list, tuple)) or not prompt:
-            return (f"prompt_token_ids[{i}] must be a non-empty list of token ids, got "
-                    f"{type(prompt).__name__}{' (empty)' if isinstance(prompt, list) else ''}")
-        bad = self._bad_token(prompt)
-        if bad is not None:
-            return (f"prompt_token_ids[{i}] holds {bad!r}: token ids are ints in "
-                    f"0..{self.model.config.vocab_size - 1}")
-        longest = len(prompt) + max_new_tokens - 1
-        if longest > self.max_context_len:
-            return (f"prompt_token_ids[{i}]: prompt + max_new_tokens - 1 = {longest} tokens "
-                    f"exceed max_context_len={self.max_context_len}")
-        need = self._pages(len(prompt))
-        pool = min(self.allocator.size_full, self.allocator.size_swa) // self.page_size
-        if need > pool:
-            return (f"prompt_token_ids[{i}]: a prompt of {len(prompt)} tokens needs {need} pages "
-                    f"of {self.page_size} tokens; the whole pool has {pool}")
-        return None
 
     # ---- admission --------------------------------------------------------------------------
 
