@@ -5,14 +5,13 @@ window before k covers positions max(0, k - 10)..k-1."""
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from prefix_prefetch_sim import PAGE_SIZE, WINDOW
+from spawn_ranks import run_ranks
 
 from mem_pool import Agreement, agree_on_commit, commit_agreed, commit_plan
 from mem_pool.prefix.tp_agreement import agreement_from_reduced, pack_outcome
@@ -141,19 +140,10 @@ def rank_results(tmp_path_factory):
                                 for n, r, p, per, _, _ in SCENARIOS]))
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(ROOT), str(WORKER.parent)]))
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(rank), "4",
-                               str(out / "init"), str(spec), str(out)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in range(4)]
-    logs = []
-    try:
-        for proc in procs:
-            logs.append(proc.communicate(timeout=90)[0])
-    finally:
-        for proc in procs:
-            proc.kill()
-    for rank, (proc, log) in enumerate(zip(procs, logs)):
-        assert proc.returncode == 0, f"rank {rank} failed:\n{log[-3000:]}"
+    ranks = run_ranks(lambda rank: [str(WORKER), str(rank), "4", str(out / "init"), str(spec),
+                                    str(out)], 4, 90, env)
+    for rank, (code, log) in enumerate(ranks):
+        assert code == 0, f"rank {rank} failed:\n{log[-3000:]}"
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(4)]
 
 

@@ -5,34 +5,24 @@ gives every page and pin back. The worker is tests/helpers/prefix_engine_tp_work
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from spawn_ranks import run_ranks  # tests/helpers, on the path by tests/conftest.py
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parents[1] / "helpers" / "prefix_engine_tp_worker.py"
 LOGIT_ATOL = 0.1   # the engine's eager-vs-graph tolerance (tests/runtime/test_runtime_graphs.py)
 
 
-def run_ranks(tmp_path: Path, world: int, faults: dict[int, str]) -> list[dict]:
+def run_scenario(tmp_path: Path, world: int, faults: dict[int, str]) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DSV4_")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(WORKER.parent)])
     init = tmp_path / "init"
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(rank), str(world), str(init),
-                               str(tmp_path), json.dumps({str(r): f for r, f in faults.items()})],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-             for rank in range(world)]
-    logs = []
-    try:
-        for proc in procs:
-            logs.append(proc.communicate(timeout=240)[0])
-    finally:
-        for proc in procs:
-            proc.kill()
-    failed = [(rank, log) for rank, (proc, log) in enumerate(zip(procs, logs))
-              if proc.returncode != 0]
+    ranks = run_ranks(lambda rank: [str(WORKER), str(rank), str(world), str(init), str(tmp_path),
+                                    json.dumps({str(r): f for r, f in faults.items()})],
+                      world, 240, env)
+    failed = [(rank, log) for rank, (code, log) in enumerate(ranks) if code != 0]
     # The rank that crashed first is the one whose log does not end in a peer's disconnection.
     failed.sort(key=lambda f: "Connection closed by peer" in f[1][-600:])
     assert not failed, "\n".join(f"rank {rank}:\n{log[-3000:]}" for rank, log in failed[:2])
@@ -53,7 +43,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_ranks_commit_the_same_prefix_and_decode_as_without_the_cache(tmp_path, case):
     world, faults, agreed = CASES[case]
-    results = run_ranks(tmp_path, world, faults)
+    results = run_scenario(tmp_path, world, faults)
     for rank, r in enumerate(results):
         assert r["hit_tokens"] == agreed, (rank, r)
         assert r["tokens"] == r["tokens_without_cache"], (rank, r)

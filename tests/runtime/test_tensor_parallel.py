@@ -11,8 +11,6 @@ checked in one process: the ranks' parts of each layer add up to the whole layer
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +21,7 @@ from dsv4.parallel.shards import expert_of, shard_dim
 from dsv4.weights.saver import save_random_checkpoint
 
 import tp_worker  # tests/helpers, on the path by tests/conftest.py
+from spawn_ranks import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 HELPERS = Path(__file__).resolve().parents[1] / "helpers"
@@ -63,21 +62,12 @@ def one_rank(checkpoint, native_checkpoint) -> dict:
 def spawn(tmp_path: Path, world: int, checkpoint: Path, native: Path) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DSV4_")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(HELPERS)])
-    procs = [subprocess.Popen([sys.executable, str(HELPERS / "tp_worker.py"), str(rank),
-                               str(world), str(tmp_path / "init"), str(tmp_path),
-                               str(checkpoint), str(native)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-             for rank in range(world)]
-    logs = []
-    try:
-        for proc in procs:
-            logs.append(proc.communicate(timeout=300)[0])
-    finally:
-        for proc in procs:
-            proc.kill()
+    ranks = run_ranks(lambda rank: [str(HELPERS / "tp_worker.py"), str(rank), str(world),
+                                    str(tmp_path / "init"), str(tmp_path), str(checkpoint),
+                                    str(native)], world, 300, env)
     dies = {1: 9} if world == 2 else {}       # the rank the worker stops mid-decode
-    failed = [(rank, log) for rank, (proc, log) in enumerate(zip(procs, logs))
-              if proc.returncode != dies.get(rank, 0)]
+    failed = [(rank, log) for rank, (code, log) in enumerate(ranks)
+              if code != dies.get(rank, 0)]
     assert not failed, "\n".join(f"rank {rank}:\n{log[-3000:]}" for rank, log in failed)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
 
