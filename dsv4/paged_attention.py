@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hip_kernels import KernelOptions, kv_layout, set_kv
+from hip_kernels import DEFAULT_KERNEL_OPTIONS, KernelOptions, kv_layout, set_kv
 from hip_kernels.decode_attention import sparse_decode_attention
 from hip_kernels.indexer_scores import indexer_scores
 from hip_kernels.indexer_topk import picked_rows
@@ -76,15 +76,15 @@ class RingRowCapture:
 
 
 def run_compressor(comp: Compressor, x: torch.Tensor, positions: torch.Tensor, plan: CompressPlan,
-                   state: torch.Tensor, store, freqs_cis: torch.Tensor,
-                   reference: bool) -> torch.Tensor:
+                   state: torch.Tensor, store, freqs_cis: torch.Tensor, reference: bool,
+                   options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
     """One step of a compressor (two ops and the store): pool every candidate's window (rows
     from the state ring or from this step), keep this step's (kv, score) rows in the ring, emit
     the boundary rows through ``store(rows, loc)`` (negative loc = skip). state: fp32 [ring rows, 2 * width];
-    reference: the reference numerics. Returns this step's (kv, score) rows [N, 2 * width], the
-    rows a ring would keep."""
-    new = comp.project(x, positions)
-    out = comp.update(new, state, plan, freqs_cis, x.dtype, reference)
+    reference: the reference numerics; options: the two ops' backend. Returns this step's
+    (kv, score) rows [N, 2 * width], the rows a ring would keep."""
+    new = comp.project(x, positions, options)
+    out = comp.update(new, state, plan, freqs_cis, x.dtype, reference, options)
     if plan.tokens.numel():              # a shape, known on the host: no window closes here
         store(out, plan.emit_loc)
     return new
@@ -99,7 +99,7 @@ def select_rows(indexer: Indexer, qr, x, freqs, plan: CompressPlan, rows: slice,
     loc, visible = plan.row_loc[rows], plan.row_valid[rows]
     scores = indexer_scores(q, w, cache, loc, visible, page_size, options=options.kernel)
     pick = indexer.select(scores, visible, options, plan.row_width[rows])
-    return picked_rows(loc, pick)
+    return picked_rows(loc, pick, options=options.kernel)
 
 
 def read_kv_shared(cache: torch.Tensor, loc: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -252,13 +252,13 @@ class PagedAttention:
     def _run_compressor(self, y, batch, meta, caches, freqs_cis, ring_capture):
         new = run_compressor(self.attn.compressor, y, batch.positions, meta.plans[self.ratio],
                              caches.state, store_compressed(caches, meta.options.kernel),
-                             freqs_cis, meta.options.reference)
+                             freqs_cis, meta.options.reference, meta.options.kernel)
         if self.ratio == 4 and ring_capture is not None:
             ring_capture.keep("compressor_state", self.layer_id, new)
 
     def _run_indexer_compressor(self, y, batch, meta, caches, freqs_cis, ring_capture):
         new = run_compressor(self.attn.indexer.compressor, y, batch.positions, meta.plans[4],
                              caches.index_state, store_index_keys(caches, meta.options.kernel),
-                             freqs_cis, meta.options.reference)
+                             freqs_cis, meta.options.reference, meta.options.kernel)
         if ring_capture is not None:
             ring_capture.keep("indexer_compressor_state", self.layer_id, new)

@@ -5,9 +5,14 @@ the top k of each query's scores among its visible rows, -1 where fewer rows are
     masked = scores, -inf where not visible;  (vals, idx) = top k of masked;
     pick = idx, -1 where vals == -inf
 
-The top-k runs as ``aiter_ops.topk_rows`` chooses (torch's, or aiter's where the caller's options
-and numerics allow it: `use_aiter`, resolved on the host). There is no Triton kernel: on a GPU the
-op's body runs torch's (or aiter's) kernels, still one dispatcher op in a captured step.
+The torch reference (``indexer_topk_ref``) is the CPU path and the oracle. On aiter (`use_aiter`:
+the caller's options and numerics allow it, resolved on the host) the op runs aiter's top-k. Else
+on a GPU it runs the Triton kernel (``indexer_topk_triton``, one program per query row, chosen by
+``backend.resolve`` from the caller's ``KernelOptions``): it returns exactly ``topk_by_key``'s
+choice over the masked row (with or without ``width``: ties go to the lower column), -1 where the
+value is -inf, in one kernel (the GPU torch path's choice; without ``width`` the torch path runs
+torch's topk, whose tie order is unspecified). ``picked_rows`` is one Triton gather on a GPU.
+Both kernels are tested against the reference in the Triton interpreter, index for index.
 
 ``width`` [N] (the reference's candidate count of each query's request, ``seq_len // 4``): the
 columns past it do not exist for the choice, so a row padded to a captured graph's static width
@@ -24,10 +29,13 @@ from __future__ import annotations
 import torch
 
 from . import aiter_ops
-from .checks import check_tensor
+from .backend import resolve
+from .checks import check_options, check_tensor
 from .library import define_op, ops
+from .options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 
 OP = "indexer_topk"
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # what the kernel reads exactly
 
 
 def indexer_topk_ref(scores: torch.Tensor, visible: torch.Tensor, k: int,
@@ -71,21 +79,32 @@ def topk_at_width(scores: torch.Tensor, k: int,
     return vals, idx
 
 
-def _fake(scores, visible, k, use_aiter, width=None):
+def _impl(scores, visible, k, use_aiter, width, backend):
+    if backend == "triton":
+        from .indexer_topk_triton import indexer_topk_triton
+        return indexer_topk_triton(scores, visible, k, width)
+    return indexer_topk_ref(scores, visible, k, use_aiter, width)
+
+
+def _fake(scores, visible, k, use_aiter, width, backend):
     return scores.new_empty(scores.shape[0], k, dtype=torch.int64)
 
 
-define_op(OP, "(Tensor scores, Tensor visible, int k, bool use_aiter, Tensor? width=None) "
-          "-> Tensor", indexer_topk_ref, _fake)
+define_op(OP, "(Tensor scores, Tensor visible, int k, bool use_aiter, Tensor? width, "
+          "str backend) -> Tensor", _impl, _fake)
 
 
 def indexer_topk(scores: torch.Tensor, visible: torch.Tensor, k: int, *,
-                 use_aiter: bool, width: torch.Tensor | None = None) -> torch.Tensor:
+                 use_aiter: bool, width: torch.Tensor | None = None,
+                 options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
     """int64 [N, k] column indices of the k largest visible scores of each row of scores
     [N, T] (visible: bool [N, T]), in descending order, -1 past a row's visible count.
     use_aiter: ``aiter_ops.topk_uses_aiter`` for this call (decided by the caller). width
     (int64 [N], optional): each row's candidate count; columns past it are never picked and
-    do not change the choice (see the module docstring)."""
+    do not change the choice (see the module docstring). options.backend picks the backend
+    where aiter is not used (no HIP version; scores other than fp32/bf16/fp16 run the torch
+    reference)."""
+    check_options(options)
     check_tensor("scores", scores, dim=2)
     check_tensor("visible", visible, dtype=torch.bool, shape=tuple(scores.shape),
                  device=scores.device)
@@ -94,24 +113,42 @@ def indexer_topk(scores: torch.Tensor, visible: torch.Tensor, k: int, *,
     if width is not None:
         check_tensor("width", width, dtype=torch.int64, shape=(scores.shape[0],),
                      device=scores.device)
-    return ops.indexer_topk(scores, visible, k, bool(use_aiter), width)
+    backend = resolve(OP, scores.device, options.backend,
+                      triton_ok=not use_aiter and scores.dtype in TRITON_DTYPES)
+    if backend == "triton":
+        scores, visible = scores.contiguous(), visible.contiguous()
+        width = None if width is None else width.contiguous()
+    return ops.indexer_topk(scores, visible, k, bool(use_aiter), width, backend)
 
 
 def picked_rows_ref(loc: torch.Tensor, pick: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return loc.gather(1, pick.clamp(min=0)), pick >= 0
 
 
-def _picked_fake(loc, pick):
+def _picked_impl(loc, pick, backend):
+    if backend == "triton":
+        from .indexer_topk_triton import picked_rows_triton
+        return picked_rows_triton(loc, pick)
+    return picked_rows_ref(loc, pick)
+
+
+def _picked_fake(loc, pick, backend):
     return loc.new_empty(pick.shape), pick.new_empty(pick.shape, dtype=torch.bool)
 
 
-define_op("picked_rows", "(Tensor loc, Tensor pick) -> (Tensor, Tensor)", picked_rows_ref,
-          _picked_fake)
+define_op("picked_rows", "(Tensor loc, Tensor pick, str backend) -> (Tensor, Tensor)",
+          _picked_impl, _picked_fake)
 
 
-def picked_rows(loc: torch.Tensor, pick: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def picked_rows(loc: torch.Tensor, pick: torch.Tensor, *,
+                options: KernelOptions = DEFAULT_KERNEL_OPTIONS
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """(the picked rows' locations [N, k], valid [N, k]) from each query's candidate locations
-    loc [N, T] and ``indexer_topk``'s pick [N, k] (-1: none, location 0, not valid): one op."""
+    loc [N, T] and ``indexer_topk``'s pick [N, k] (-1: none, the row's first location, not
+    valid; entries of pick below T): one op. options.backend picks the backend (no HIP
+    version)."""
+    check_options(options)
     check_tensor("loc", loc, dim=2)
     check_tensor("pick", pick, dtype=torch.int64, shape=(loc.shape[0], None), device=loc.device)
-    return ops.picked_rows(loc, pick)
+    backend = resolve("picked_rows", loc.device, options.backend)
+    return ops.picked_rows(loc, pick.contiguous() if backend == "triton" else pick, backend)

@@ -70,7 +70,8 @@ class Indexer(nn.Module):
         k = min(self.topk, scores.shape[1])
         use_aiter = aiter_ops.topk_uses_aiter(scores, k, numerics=options.numerics,
                                               options=options.kernel)
-        return indexer_topk(scores, visible, k, use_aiter=use_aiter, width=width)
+        return indexer_topk(scores, visible, k, use_aiter=use_aiter, width=width,
+                            options=options.kernel)
 
     def sum_scores_over_ranks(self, scores: torch.Tensor) -> torch.Tensor:
         """Each rank's scores sum its own heads: the ranks add them before the top-k (the
