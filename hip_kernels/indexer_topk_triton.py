@@ -25,9 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_kv_row import LAUNCH_OPTIONS
-
 MIN_BLOCK = 128          # chunk length for small k: fewer loop trips, same exact result
+# Four waves per row: decode has few rows (the batch), so each row's sorting network is spread
+# over 256 lanes (a choice not yet timed on a GPU). No float arithmetic: fp fusion is moot.
+LAUNCH_OPTIONS = {"num_warps": 4}
 GATHER_BLOCK = 1024
 SENTINEL = tl.constexpr(-(2 ** 63))
 CANONICAL_NAN = tl.constexpr(0x7FC00000)     # the bits of torch's float("nan")

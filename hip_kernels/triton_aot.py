@@ -87,6 +87,7 @@ def _variants(dialect):
         **_quant_linear_variants(dialect),
         **_mhc_fused_variants(),
         **_moe_fused_variants(),
+        **_indexer_topk_variants(),
     }
 
 
@@ -131,6 +132,26 @@ def _moe_fused_variants():
         "moe_routed gate_up": (F.gate_up_kernel, mlp, {"K": 6, "ROUTED": True, **blocks}),
         "moe_routed down": (F.down_kernel, down, {"K": 6, "ROUTED": True, **blocks}),
     }
+
+
+def _indexer_topk_variants():
+    """The indexer's top-k at the Flash (k 512) and Pro (k 1024) configs (bf16 scores, a width
+    per row, chunks of K columns) and the picked rows' gather (int64 locations)."""
+    from . import indexer_topk_triton as X
+
+    topk = {"scores_ptr": "*bf16", "visible_ptr": "*u8", "width_ptr": "*i64", "out_ptr": "*i64",
+            "T": "i32", "k": "i32:D"}
+    gather = {"loc_ptr": "*i64", "loc_stride_n": "i32", "T": "i32", "pick_ptr": "*i64",
+              "rows_ptr": "*i64", "valid_ptr": "*u8", "k": "i32:D", "total": "i32"}
+
+    def variant(k):
+        keep, block = X.blocks(k)
+        return (X.indexer_topk_kernel, topk, {"HAS_WIDTH": True, "K": keep, "BLOCK": block},
+                X.LAUNCH_OPTIONS)
+
+    return {"indexer_topk (k 512)": variant(512), "indexer_topk (k 1024)": variant(1024),
+            "picked_rows": (X.picked_rows_kernel, gather,
+                            {"loc_stride_t": 1, "BLOCK": X.GATHER_BLOCK}, X.LAUNCH_OPTIONS)}
 
 
 def _indexer_scores_variants(dialect):
