@@ -87,6 +87,7 @@ def _variants(dialect):
         **_quant_linear_variants(dialect),
         **_mhc_fused_variants(),
         **_moe_fused_variants(),
+        **_compressor_variants(),
         **_indexer_topk_variants(),
     }
 
@@ -152,6 +153,39 @@ def _indexer_topk_variants():
     return {"indexer_topk (k 512)": variant(512), "indexer_topk (k 1024)": variant(1024),
             "picked_rows": (X.picked_rows_kernel, gather,
                             {"loc_stride_t": 1, "BLOCK": X.GATHER_BLOCK}, X.LAUNCH_OPTIONS)}
+
+
+def _compressor_variants():
+    """The KV compressors as the Flash config runs them (dim 4096, rope 64, bf16 rows): the
+    projection, the pool + finish of the attention's ratio-4 (head_dim 512, overlap) and ratio-128
+    compressors and of the indexer's (head_dim 128, overlap, rotate), the ring write."""
+    from . import compressor_update_triton as C
+
+    project = {"x_ptr": "*bf16", "wkv_ptr": "*fp32", "wgate_ptr": "*fp32", "ape_ptr": "*fp32",
+               "pos_ptr": "*i64", "out_ptr": "*fp32", "n_rows": "i32", "dim": "i32:D",
+               "width": "i32:D", "ratio": "i32"}
+    pool = {"new_ptr": "*fp32", "new_stride": "i32:D", "state_ptr": "*fp32",
+            "state_stride": "i32:D", "src_state_ptr": "*i64", "src_new_ptr": "*i64",
+            "has_prev_ptr": "*i1", "window_start_ptr": "*i64", "freq_ptr": "*fp32",
+            "w_ptr": "*fp32", "out_ptr": "*bf16", "n_src": "i32", "eps": "fp32"}
+    ring = {"new_ptr": "*fp32", "new_stride": "i32:D", "state_ptr": "*fp32",
+            "state_stride": "i32:D", "write_ptr": "*i64", "scratch_row": "i64", "n_cols": "i32:D"}
+
+    def pool_variant(head_dim, ratio, rotate):
+        return C.pool_finish_kernel, pool, {
+            "HEAD_DIM": head_dim, "RATIO": ratio, "OVERLAP": ratio == 4, "ROPE_DIM": 64,
+            "ROTATE": rotate, "BLOCK_R": C.BLOCK_R}, C.LAUNCH_OPTIONS
+
+    blocks = {"BLOCK_M": C.PROJECT_BLOCK_M, "BLOCK_N": C.PROJECT_BLOCK_N,
+              "BLOCK_K": C.PROJECT_BLOCK_K}
+    return {
+        "compressor_project": (C.compressor_project_kernel, project, blocks, C.LAUNCH_OPTIONS),
+        "compressor pool (c4, d 512)": pool_variant(512, 4, False),
+        "compressor pool (c128, d 512)": pool_variant(512, 128, False),
+        "compressor pool (indexer, d 128)": pool_variant(128, 4, True),
+        "compressor ring write": (C.ring_write_kernel, ring, {"BLOCK": C.RING_BLOCK},
+                                  C.LAUNCH_OPTIONS),
+    }
 
 
 def _indexer_scores_variants(dialect):

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from hip_kernels.compressor_update import compressor_project, compressor_update, pool_windows
+from hip_kernels.options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 
 from .linear import Linear
 from .norm import RMSNorm
@@ -52,14 +53,16 @@ class Compressor(nn.Module):
         """Rows one pool reads: previous + current window with overlap, else one window."""
         return self.coff * self.ratio
 
-    def project(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def project(self, x: torch.Tensor, positions: torch.Tensor,
+                options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
         """This step's rows [N, 2 * coff*d]: kv | score (ape included), fp32 (one op,
         ``hip_kernels.compressor_project``)."""
         return compressor_project(x, self.wkv.weight, self.wgate.weight, self.ape, positions,
-                                  self.ratio)
+                                  self.ratio, options=options)
 
     def update(self, new: torch.Tensor, state: torch.Tensor, plan, freqs_cis: torch.Tensor,
-               dtype: torch.dtype, reference: bool) -> torch.Tensor:
+               dtype: torch.dtype, reference: bool,
+               options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
         """Compressed rows [M, d] in dtype of the plan's candidate windows (pooled from the
         ring state and this step's rows new, then finished: see the module docstring), and new
         kept in the ring at plan.state_write; one op (``hip_kernels.compressor_update``).
@@ -67,7 +70,8 @@ class Compressor(nn.Module):
         return compressor_update(new, state, plan, freqs_cis, self.norm.weight, self.norm.eps,
                                  ratio=self.ratio, head_dim=self.head_dim,
                                  rope_dim=self.rope_dim, overlap=self.overlap,
-                                 rotate=self.rotate, reference=reference, dtype=dtype)
+                                 rotate=self.rotate, reference=reference, dtype=dtype,
+                                 options=options)
 
     def pool(self, kv: torch.Tensor, score: torch.Tensor,
              has_prev: torch.Tensor | None = None) -> torch.Tensor:
