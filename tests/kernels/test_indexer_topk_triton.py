@@ -28,12 +28,14 @@ def key_choice(scores, visible, k, width=None):
 
 
 def tied_rows(n, t, seed, dtype=torch.bfloat16):
-    """Few distinct values (most picks break ties), with NaN, -0.0/+0.0, -inf and +inf."""
+    """Few distinct values (most picks break ties), with NaN (either sign bit), -0.0/+0.0,
+    -inf and +inf."""
     g = torch.Generator().manual_seed(seed)
     scores = torch.randint(-4, 5, (n, t), generator=g).float() / 2
-    special = torch.tensor([NAN, -0.0, 0.0, -INF, INF])
-    at = torch.randint(0, t, (n, 6), generator=g)
-    scores.scatter_(1, at, special[torch.randint(0, 5, (n, 6), generator=g)])
+    special = torch.tensor([NAN, -0.0, 0.0, -INF, INF, NAN])
+    special[5:] = special[5:].neg()                             # sign bit set (bf16's NaN too)
+    at = torch.randint(0, t, (n, 8), generator=g)
+    scores.scatter_(1, at, special[torch.randint(0, 6, (n, 8), generator=g)])
     visible = torch.rand(n, t, generator=g) < 0.7
     return scores.to(dtype), visible
 
