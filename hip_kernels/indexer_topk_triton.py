@@ -12,9 +12,10 @@ topk_by_key's at any row length and any chunking. The first k keys are decoded t
 -1 for the sentinel.
 
 Cost per row: ceil(width / BLOCK) chunks, each a bitonic top-K of BLOCK keys
-(log2 K * (log2 K + 1) / 2 compare-exchange passes over BLOCK keys, plus log2(BLOCK / K) halvings)
-and a merge of log2 K passes over K keys; one read of the scores and the visibility, k int64
-writes. With BLOCK = K = 512 (Flash): 45 + 9 passes per 512 columns.
+(log2 K * (log2 K + 1) / 2 compare-exchange passes over BLOCK keys; when BLOCK > K, then
+log2(BLOCK / K) halvings, each a max and a log2 K pass merge) and a merge of log2 K passes over
+K keys; one read of the scores and the visibility, k int64 writes. BLOCK = K for k >= 128: 45 + 9
+passes per 512 columns at k 512 (Flash), 55 + 10 per 1024 at k 1024 (Pro).
 
 `picked_rows_kernel`: a gather over the [N, k] picks, BLOCK picks per program.
 """
