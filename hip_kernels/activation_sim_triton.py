@@ -6,9 +6,6 @@
   low + high and low - high, each rounded to fp32), each element's partner fetched with
   `tl.gather`: the same additions in the same order as the reference numerics' transform, so
   the same bits; the caller multiplies by D^-0.5 (as the reference does, after the butterflies).
-- `hadamard_dot`: the fp32 numerics' rotation, one IEEE-fp32 `tl.dot` with H_D * scale (H's
-  signs from the parity of i & j); R >= 16 (tl.dot's smallest tile). Its sums run in the
-  matrix cores' order, not torch's GEMM order.
 - `fp4_quant_dequant`: per 32-wide block of a row, scale 2^ceil(log2(max(amax, floor) / 6))
   from the fp32 bits, values times 2^-e (exact), clamped to +-6, rounded to the e2m1 grid half
   to even (the grid step times the nearest integer of value / step: `_rint` adds and subtracts
@@ -39,18 +36,6 @@ def hadamard_butterflies(x):
             partner = tl.gather(x, i ^ (1 << level), 1)
             x = tl.where(((i >> level) & 1) == 0, x + partner, partner - x)
     return x
-
-
-@triton.jit
-def hadamard_dot(x, SCALE: tl.constexpr):
-    """x [R, D] fp32 times H_D * SCALE as one IEEE-fp32 dot (R >= 16)."""
-    D: tl.constexpr = x.shape[1]
-    i = tl.arange(0, D)
-    parity = i[:, None] & i[None, :]
-    for shift in tl.static_range(5):          # fold the bits of i & j (D <= 2^32) into bit 0
-        parity = parity ^ (parity >> (16 >> shift))
-    h = tl.where((parity & 1) == 0, SCALE, -SCALE).to(tl.float32)
-    return tl.dot(x, h, input_precision="ieee")
 
 
 @triton.jit

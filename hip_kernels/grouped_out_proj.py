@@ -5,8 +5,11 @@ grouped low-rank ``wo_a`` (the heads split into G groups, group g's flattened he
 tensor-parallel all_reduce follows it).
 
 The torch reference (CPU path and oracle) is the model's expression (``rotary.rope_tail`` with
-the conjugate, an einsum over the groups), so the model's bits are unchanged. There is no Triton kernel yet: on a GPU the op's body runs
-the torch chain (several kernels inside one dispatcher op).
+the conjugate, an einsum over the groups), so the model's bits are unchanged. The Triton kernel
+(`grouped_out_proj_triton`, one launch) applies the inverse RoPE to each tile of o as it loads
+it (the reference's roundings, the same bits) and multiplies it with the group's weight block
+in a tl.dot with an fp32 accumulator: the same exact products, summed in another order, so it
+agrees with the reference to one rounding of o's dtype, not bit for bit.
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ def grouped_out_proj_ref(o: torch.Tensor, freqs_cis: torch.Tensor, weight: torch
 
 
 def _impl(o, freqs_cis, weight, n_groups, rope_dim, backend):
+    if backend == "triton":
+        from .grouped_out_proj_triton import grouped_out_proj_triton
+        return grouped_out_proj_triton(o, freqs_cis, weight, n_groups, rope_dim)
     return grouped_out_proj_ref(o, freqs_cis, weight, n_groups, rope_dim)
 
 
@@ -63,6 +69,7 @@ def grouped_out_proj(o: torch.Tensor, freqs_cis: torch.Tensor, weight: torch.Ten
                  device=o.device)
     if weight.shape[0] % n_groups:
         raise ValueError(f"weight's {weight.shape[0]} rows must split into {n_groups} groups")
-    backend = resolve(OP, o.device, options.backend, triton_ok=False)
+    # the kernel rotates aligned pairs of a tile: an odd head dim runs the reference
+    backend = resolve(OP, o.device, options.backend, triton_ok=d % 2 == 0)
     return ops.grouped_out_proj(o.contiguous(), freqs_cis.contiguous(), weight.contiguous(),
                                 n_groups, rope_dim, backend)

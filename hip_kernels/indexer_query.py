@@ -4,8 +4,13 @@ position, the Walsh-Hadamard rotation and the FP4 simulation (about forty torch 
 
 The torch reference (CPU path and oracle) is the model's chain of ``rotary.rope_tail``,
 ``activation_sim.hadamard_rotate`` and ``activation_sim.fp4_quant_dequant``, so the model's bits
-are unchanged. There is no Triton kernel yet: on a GPU the op's body runs
-the torch chain (several kernels inside one dispatcher op).
+are unchanged. The Triton kernel (`indexer_query_triton`, one launch) keeps a block of heads'
+rows in registers through the chain and rounds where the reference rounds: the RoPE and the
+FP4 simulation give the reference's bits for the same finite input, and so does the rotation
+in the reference numerics (the same butterflies). In fp32 numerics the reference rotates with
+one fp32 GEMM and the kernel with the same butterflies: the rotated values agree to fp32
+rounding, so a value next to a rounding boundary (the rounding after the rotation, an FP4 tie)
+may round the other way.
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ def indexer_query_ref(q: torch.Tensor, freqs_cis: torch.Tensor, n_heads: int, ro
 
 
 def _impl(q, freqs_cis, n_heads, rope_dim, reference, backend):
+    if backend == "triton":
+        from .indexer_query_triton import indexer_query_triton
+        return indexer_query_triton(q, freqs_cis, n_heads, rope_dim)
     return indexer_query_ref(q, freqs_cis, n_heads, rope_dim, reference)
 
 
@@ -63,6 +71,6 @@ def indexer_query(q: torch.Tensor, freqs_cis: torch.Tensor, n_heads: int, rope_d
                  shape=(q.shape[0], rope_dim // 2), device=q.device)
     if not isinstance(reference, bool):
         raise TypeError(f"reference must be a bool, got {reference!r}")
-    backend = resolve(OP, q.device, options.backend, triton_ok=False)
+    backend = resolve(OP, q.device, options.backend)
     return ops.indexer_query(q.contiguous(), freqs_cis.contiguous(), n_heads, rope_dim,
                              reference, backend)
