@@ -89,6 +89,7 @@ def _variants(dialect):
         **_moe_fused_variants(),
         **_compressor_variants(),
         **_indexer_topk_variants(),
+        **_attention_projection_variants(),
     }
 
 
@@ -185,6 +186,26 @@ def _compressor_variants():
         "compressor pool (indexer, d 128)": pool_variant(128, 4, True),
         "compressor ring write": (C.ring_write_kernel, ring, {"BLOCK": C.RING_BLOCK},
                                   C.LAUNCH_OPTIONS),
+    }
+
+
+def _attention_projection_variants():
+    """The indexer's query (64 index heads, head dim 128, rope 64, bf16; one kernel for both
+    numerics) and the grouped wo_a (8 groups of 8 heads of 512, rank 1024 per group, bf16 on the
+    matrix cores) as the Flash config runs them."""
+    from . import grouped_out_proj_triton as G
+    from . import indexer_query_triton as Q
+
+    query = {"q_ptr": "*bf16", "freq_ptr": "*fp32", "out_ptr": "*bf16", "n_heads": "i32:D"}
+    out_proj = {"o_ptr": "*bf16", "freq_ptr": "*fp32", "w_ptr": "*bf16", "out_ptr": "*bf16",
+                "n_tokens": "i32", "K": "i32:D", "R": "i32:D"}
+
+    return {
+        "indexer_query": (Q.indexer_query_kernel, query, {
+            "HEAD_DIM": 128, "ROPE_DIM": 64, "BLOCK_H": Q.BLOCK_H}, Q.LAUNCH_OPTIONS),
+        "grouped_out_proj": (G.grouped_out_proj_kernel, out_proj, {
+            "HEAD_DIM": 512, "ROPE_DIM": 64, "BLOCK_N": G.BLOCK_N, "BLOCK_R": G.BLOCK_R,
+            "BLOCK_K": G.BLOCK_K, "DOT_NATIVE": True}, G.LAUNCH_OPTIONS),
     }
 
 
