@@ -173,7 +173,9 @@ def compressor_update(new: torch.Tensor, state: torch.Tensor, plan, freqs_table:
                  device=new.device)
     check_tensor("plan.state_write", plan.state_write, shape=(new.shape[0],), device=new.device)
     check_tensor("plan.window_start", plan.window_start, shape=(m,), device=new.device)
-    check_tensor("freqs_table", freqs_table, dtype=torch.complex64, dim=2, device=new.device)
+    check_tensor("plan.has_prev", plan.has_prev, dtype=torch.bool, shape=(m,), device=new.device)
+    check_tensor("freqs_table", freqs_table, dtype=torch.complex64, shape=(None, rope_dim // 2),
+                 device=new.device)
     check_tensor("norm_weight", norm_weight, shape=(head_dim,), device=new.device)
     backend = resolve("compressor_update", new.device, options.backend,
                       triton_ok=_update_triton_ok(state, head_dim, rope_dim, rotate))

@@ -37,11 +37,17 @@ from .activation_sim_triton import fp4_quant_dequant, hadamard_butterflies
 from .rotary_triton import rope_tail
 
 PROJECT_BLOCK_M = 16     # tl.dot's smallest tile: a decode step's tokens in one block
-PROJECT_BLOCK_N = 64
-PROJECT_BLOCK_K = 32
+PROJECT_BLOCK_N = 16     # narrow: decode streams the weights, spread over many programs
+PROJECT_BLOCK_K = 64
 BLOCK_R = 8              # window rows per step of the pool (a ratio-4 window with overlap: 1 step)
 RING_BLOCK = 256
 LAUNCH_OPTIONS = {"num_warps": 4, "num_stages": 1, "enable_fp_fusion": False}
+
+
+def pool_launch_options(head_dim: int) -> dict:
+    """The pool + finish kernel's: 8 waves for a 512-wide row (a [BLOCK_R, 512] tile is 8
+    values per lane and tensor: <= 64 VGPRs on gfx942/gfx950), else 4."""
+    return {**LAUNCH_OPTIONS, "num_warps": 8 if head_dim >= 512 else 4}
 NEG_INF = tl.constexpr(float("-inf"))
 
 
@@ -164,7 +170,7 @@ def compressor_update_triton(new, state, src_state, src_new, has_prev, window_st
             new, new.stride(0), state, state.stride(0), src_state.contiguous(),
             src_new.contiguous(), has_prev, window_start, torch.view_as_real(freqs_table),
             norm_weight, out, n_src, eps, HEAD_DIM=head_dim, RATIO=ratio, OVERLAP=overlap,
-            ROPE_DIM=rope_dim, ROTATE=rotate, BLOCK_R=BLOCK_R, **LAUNCH_OPTIONS)
+            ROPE_DIM=rope_dim, ROTATE=rotate, BLOCK_R=BLOCK_R, **pool_launch_options(head_dim))
     n = new.shape[0]
     if n:
         grid = (n, triton.cdiv(new.shape[1], RING_BLOCK))

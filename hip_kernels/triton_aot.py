@@ -175,7 +175,7 @@ def _compressor_variants():
     def pool_variant(head_dim, ratio, rotate):
         return C.pool_finish_kernel, pool, {
             "HEAD_DIM": head_dim, "RATIO": ratio, "OVERLAP": ratio == 4, "ROPE_DIM": 64,
-            "ROTATE": rotate, "BLOCK_R": C.BLOCK_R}, C.LAUNCH_OPTIONS
+            "ROTATE": rotate, "BLOCK_R": C.BLOCK_R}, C.pool_launch_options(head_dim)
 
     blocks = {"BLOCK_M": C.PROJECT_BLOCK_M, "BLOCK_N": C.PROJECT_BLOCK_N,
               "BLOCK_K": C.PROJECT_BLOCK_K}

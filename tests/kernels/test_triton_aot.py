@@ -16,9 +16,10 @@ import pytest
 
 pytest.importorskip("triton")
 
-from hip_kernels import (decode_attention_triton, grouped_out_proj_triton,  # noqa: E402
-                         indexer_query_triton, indexer_scores_triton, mhc_fused_triton,
-                         mhc_split_triton, moe_fused_triton, quant_linear_triton, set_kv_triton)
+from hip_kernels import (compressor_update_triton, decode_attention_triton,  # noqa: E402
+                         grouped_out_proj_triton, indexer_query_triton,
+                         indexer_scores_triton, mhc_fused_triton, mhc_split_triton,
+                         moe_fused_triton, quant_linear_triton, set_kv_triton)
 
 ROOT = Path(__file__).resolve().parents[2]
 QUANTIZING = {"fused_k_norm_rope_store", "fused_k_norm_rope_store+q",
@@ -38,7 +39,8 @@ def report():
 def test_every_kernel_compiles_for_both_targets(report):
     kernels = {n for mod in (set_kv_triton, mhc_split_triton, indexer_scores_triton,
                              decode_attention_triton, quant_linear_triton, mhc_fused_triton,
-                             moe_fused_triton, indexer_query_triton, grouped_out_proj_triton)
+                             moe_fused_triton, compressor_update_triton,
+                             indexer_query_triton, grouped_out_proj_triton)
                for n in dir(mod) if n.endswith("_kernel")}
     for arch in ("gfx942", "gfx950"):
         assert {r["function"] for r in report if r["arch"] == arch} == kernels
