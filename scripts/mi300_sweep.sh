@@ -93,7 +93,9 @@ if [ "$gpu" = 1 ]; then
     --experts 96 ${BENCH_DECODE_PRO_ARGS:-} --out "$dir/bench_decode_pro.json"
 fi
 
-if $py -c "import sglang" 2>/dev/null; then
+# find_spec, not an import: importing SGLang takes tens of seconds, and a dry run prints only.
+if $py -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('sglang') is None)" \
+    2>/dev/null; then
   step sglang_plugin "$py" scripts/bench_sglang_plugin.py "${quick[@]}" \
     --out "$dir/bench_sglang_plugin.json"
 fi
