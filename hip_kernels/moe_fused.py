@@ -21,10 +21,14 @@ in/2] + ue8m0 [E, out, in/32], ``fp4_grouped_linear``), the shared expert FP8 (+
 scales, ``fp8_linear``). The torch references are the model's code before the fusion op for op
 (the quantized linears through `quant_linear`'s own torch path), so the reference numerics keep
 their bits; the grouped GEMMs' torch path reads the group offsets on the host outside a capture.
-The Triton kernels (`moe_fused_triton`: routing in one launch, routed and shared experts in two
-each) take bf16 weights; with FP4 / FP8 weights the Triton backend runs the reference's chain
-with `quant_linear`'s Triton GEMMs (offsets read on the device; the sort, gather and SwiGLU as
-torch ops inside the one dispatcher op).
+The Triton kernels: routing in one launch, the routed and the shared experts in two each, no
+sort (a (token, expert) pair is a row of its own): gate + up with the clamped SwiGLU and the
+routing weight, then down with the weighted sum per token (routed) or the routed sum added
+(shared). bf16 weights in `moe_fused_triton`; FP4 routed / FP8 shared experts in
+`moe_fused_quant_triton`, which decodes the weight tiles in registers and quantizes the
+activations as `quant_linear`'s kernels do (the same Triton helpers). They agree with the torch
+references within a stated tolerance (sums in Triton's order, Triton's sigmoid), not bit for
+bit.
 """
 
 from __future__ import annotations
@@ -37,7 +41,10 @@ from .checks import check_options, check_tensor
 from .library import define_op, ops
 from .options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 from .platform import FNUZ, fp8_dialect
+from .quant_linear import (FP4_SCALE_DTYPES, FP4_WEIGHT_DTYPES, FP8_SCALE_DTYPES,
+                           FP8_WEIGHT_DTYPES)
 from .quant_linear import _run as quant_linear_run
+from .quant_linear_ref import ACT_BLOCK, FP4_BLOCK
 
 SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
 
@@ -89,9 +96,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
 
 
 def moe_routed_ref(x, weights, indices, w1, w3, w2, w1_scale, w3_scale, w2_scale, swiglu_limit,
-                   dialect, gemm_backend="torch"):
-    """gemm_backend: the quantized grouped GEMMs' backend ("triton": their kernels, which read
-    the group offsets on the device)."""
+                   dialect):
     n, k = indices.shape
     expert = indices.flatten()
     order = torch.argsort(expert, stable=True)              # pairs grouped by expert
@@ -103,7 +108,7 @@ def moe_routed_ref(x, weights, indices, w1, w3, w2, w1_scale, w3_scale, w2_scale
 
     def grouped(rows, w, scale):
         if scale is not None:
-            return quant_linear_run(rows, w, scale, offs, True, gemm_backend, dialect, True)
+            return quant_linear_run(rows, w, scale, offs, True, "torch", dialect, True)
         return torch._grouped_mm(rows, w.transpose(1, 2), offs=offs)
 
     h = weights.flatten()[order, None] * swiglu(grouped(xs, w1, w1_scale),
@@ -113,11 +118,10 @@ def moe_routed_ref(x, weights, indices, w1, w3, w2, w1_scale, w3_scale, w2_scale
         0, token, out.float())
 
 
-def moe_shared_ref(routed, x, w1, w3, w2, w1_scale, w3_scale, w2_scale, swiglu_limit,
-                   gemm_backend="torch"):
+def moe_shared_ref(routed, x, w1, w3, w2, w1_scale, w3_scale, w2_scale, swiglu_limit):
     def dense(v, w, scale):
         if scale is not None:
-            return quant_linear_run(v, w, scale, None, True, gemm_backend, "ocp", False)
+            return quant_linear_run(v, w, scale, None, True, "torch", "ocp", False)
         return F.linear(v, w)
 
     h = swiglu(dense(x, w1, w1_scale), dense(x, w3, w3_scale), swiglu_limit)
@@ -142,8 +146,12 @@ def _routed_impl(x, weights, indices, w1, w3, w2, w1_scale, w3_scale, w2_scale, 
     if backend == "triton" and w1_scale is None:
         from .moe_fused_triton import moe_routed_triton
         return moe_routed_triton(x, weights, indices, w1, w3, w2, swiglu_limit)
+    if backend == "triton":
+        from .moe_fused_quant_triton import moe_routed_fp4_triton
+        return moe_routed_fp4_triton(x, weights, indices, w1, w3, w2, w1_scale, w3_scale,
+                                     w2_scale, swiglu_limit, dialect)
     return moe_routed_ref(x, weights, indices, w1, w3, w2, w1_scale, w3_scale, w2_scale,
-                          swiglu_limit, dialect, backend)
+                          swiglu_limit, dialect)
 
 
 def _routed_fake(x, *rest):
@@ -154,8 +162,11 @@ def _shared_impl(routed, x, w1, w3, w2, w1_scale, w3_scale, w2_scale, swiglu_lim
     if backend == "triton" and w1_scale is None:
         from .moe_fused_triton import moe_shared_triton
         return moe_shared_triton(routed, x, w1, w3, w2, swiglu_limit)
-    return moe_shared_ref(routed, x, w1, w3, w2, w1_scale, w3_scale, w2_scale, swiglu_limit,
-                          backend)
+    if backend == "triton":
+        from .moe_fused_quant_triton import moe_shared_fp8_triton
+        return moe_shared_fp8_triton(routed, x, w1, w3, w2, w1_scale, w3_scale, w2_scale,
+                                     swiglu_limit)
+    return moe_shared_ref(routed, x, w1, w3, w2, w1_scale, w3_scale, w2_scale, swiglu_limit)
 
 
 def _shared_fake(routed, x, *rest):
@@ -191,11 +202,42 @@ def _check_mlp(x, w1, w3, w2, scales, n_experts: int | None) -> None:
     if w1.shape != w3.shape:
         raise ValueError(f"w1 and w3 must have one shape, got {tuple(w1.shape)} and "
                          f"{tuple(w3.shape)}")
-    if scales[0] is None and (w1.shape[-1] != x.shape[1] or w2.shape[-2] != x.shape[1]
-                              or w2.shape[-1] != w1.shape[-2]):
+    if scales[0] is not None:
+        _check_quantized(x, w1, w3, w2, scales, n_experts)
+    elif (w1.shape[-1] != x.shape[1] or w2.shape[-2] != x.shape[1]
+          or w2.shape[-1] != w1.shape[-2]):
         raise ValueError(f"w1/w3 must be [{'E, ' if lead else ''}inter, {x.shape[1]}] and w2 "
                          f"[{'E, ' if lead else ''}{x.shape[1]}, inter], got {tuple(w1.shape)} "
                          f"and {tuple(w2.shape)}")
+
+
+def _check_quantized(x, w1, w3, w2, scales, n_experts: int | None) -> None:
+    """Routed FP4 (n_experts given): w1, w3 [E, inter, D/2] packed e2m1 with ue8m0 scales
+    [E, inter, D/32], w2 [E, D, inter/2] with [E, D, inter/32]. Shared FP8: w1, w3 [inter, D],
+    w2 [D, inter] with [ceil(out/128), in/128] block scales. D and inter multiples of 128 (the
+    activations' quantization blocks)."""
+    d, inter = x.shape[1], w1.shape[-2]
+    if d % ACT_BLOCK or inter % ACT_BLOCK:
+        raise ValueError(f"x's D and the experts' inter must be multiples of {ACT_BLOCK} with "
+                         f"FP4 / FP8 weights, got D={d}, inter={inter}")
+    if n_experts is None:
+        def shapes(n_out, n_in):
+            return (n_out, n_in), (-(-n_out // ACT_BLOCK), n_in // ACT_BLOCK)
+        dtypes, scale_dtypes = FP8_WEIGHT_DTYPES, FP8_SCALE_DTYPES
+    else:
+        def shapes(n_out, n_in):
+            return (n_experts, n_out, n_in // 2), (n_experts, n_out, n_in // FP4_BLOCK)
+        dtypes, scale_dtypes = FP4_WEIGHT_DTYPES, FP4_SCALE_DTYPES
+    for name, w, scale, (n_out, n_in) in (("w1", w1, scales[0], (inter, d)),
+                                          ("w3", w3, scales[1], (inter, d)),
+                                          ("w2", w2, scales[2], (d, inter))):
+        shape, scale_shape = shapes(n_out, n_in)
+        check_tensor(name, w, dtypes=dtypes, shape=shape)
+        check_tensor(name + "_scale", scale, dtypes=scale_dtypes, shape=scale_shape,
+                     device=x.device)
+    for what, ts in (("w1, w3, w2", (w1, w3, w2)), ("w1_scale, w3_scale, w2_scale", scales)):
+        if len({t.dtype for t in ts}) > 1:
+            raise TypeError(f"{what} must have one dtype, got {[t.dtype for t in ts]}")
 
 
 def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, k: int, route_scale: float,
@@ -245,7 +287,8 @@ def moe_routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, w1
         raise ValueError(f"indices must have x's {x.shape[0]} rows, got {tuple(indices.shape)}")
     scales = (w1_scale, w3_scale, w2_scale)
     _check_mlp(x, w1, w3, w2, scales, w1.shape[0] if isinstance(w1, torch.Tensor) else None)
-    backend = resolve("moe_routed", x.device, options.backend, triton_ok=_contiguous(w1, w3, w2))
+    backend = resolve("moe_routed", x.device, options.backend,
+                      triton_ok=_contiguous(w1, w3, w2, *(s for s in scales if s is not None)))
     return ops.moe_routed(x.contiguous(), weights, indices, w1, w3, w2, *scales,
                           float(swiglu_limit), fp8_dialect().name, backend)
 
@@ -260,9 +303,11 @@ def moe_shared(routed: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w3: torc
     check_options(options)
     check_tensor("x", x, dim=2)
     check_tensor("routed", routed, dtype=torch.float32, shape=tuple(x.shape), device=x.device)
-    _check_mlp(x, w1, w3, w2, (w1_scale, w3_scale, w2_scale), None)
+    scales = (w1_scale, w3_scale, w2_scale)
+    _check_mlp(x, w1, w3, w2, scales, None)
     fnuz_ocp = fp8_dialect() is FNUZ and w1.dtype == torch.float8_e4m3fn   # as fp8_linear
     backend = resolve("moe_shared", x.device, options.backend,
-                      triton_ok=_contiguous(w1, w3, w2) and not fnuz_ocp)
+                      triton_ok=_contiguous(w1, w3, w2, *(s for s in scales if s is not None))
+                      and not fnuz_ocp)
     return ops.moe_shared(routed, x.contiguous(), w1, w3, w2, w1_scale, w3_scale, w2_scale,
                           float(swiglu_limit), backend)

@@ -1,4 +1,4 @@
-"""The Triton kernels of `moe_fused` (bf16 weights; the FP4 / FP8 experts run the torch path).
+"""The Triton kernels of `moe_fused` (bf16 weights; FP4 / FP8 experts: `moe_fused_quant_triton`).
 
 moe_route: one program per token: the gate's logits over all experts (the D loop in blocks),
 the scores, then k rounds of argmax over scores + bias (a biased gate; equal values: the lower
@@ -93,6 +93,29 @@ def moe_route_kernel(x_ptr, w_ptr, bias_ptr, tid2eid_ptr, ids_ptr, weights_ptr, 
 
 
 @triton.jit
+def weighted_swiglu(g, u, weight, limit, OUT: tl.constexpr):
+    """OUT(weight * silu(min(OUT(g), limit)) * clamp(OUT(u), +-limit)) of the fp32 gate and up
+    sums, each rounded to OUT first as the GEMMs' outputs are (no clamp when limit <= 0)."""
+    gate = g.to(OUT).to(tl.float32)
+    up = u.to(OUT).to(tl.float32)
+    if limit > 0:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+    return (weight * (gate * tl.sigmoid(gate) * up)).to(OUT)
+
+
+@triton.jit
+def next_pair(indices_ptr, t, last, E, K: tl.constexpr):
+    """Token t's smallest (expert, slot) key (expert * K + slot) above `last`: its pairs one by
+    one in the reference's index_add order."""
+    key = E * K
+    for j in tl.static_range(K):
+        kj = tl.load(indices_ptr + t * K + j) * K + j
+        key = tl.where((kj > last) & (kj < key), kj, key)
+    return key
+
+
+@triton.jit
 def gate_up_kernel(x_ptr, indices_ptr, weights_ptr, w1_ptr, w3_ptr, h_ptr, D, INTER, limit,
                    K: tl.constexpr, ROUTED: tl.constexpr, BLOCK_K: tl.constexpr,
                    BLOCK_N: tl.constexpr):
@@ -120,14 +143,8 @@ def gate_up_kernel(x_ptr, indices_ptr, weights_ptr, w1_ptr, w3_ptr, h_ptr, D, IN
                     * xv, axis=1)
         u += tl.sum(tl.load(w3_ptr + base + d[None, :], mask=ok, other=0.0).to(tl.float32)
                     * xv, axis=1)
-    OUT: tl.constexpr = h_ptr.dtype.element_ty
-    gate = g.to(OUT).to(tl.float32)
-    up = u.to(OUT).to(tl.float32)
-    if limit > 0:
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up, -limit), limit)
-    h = weight * (gate * tl.sigmoid(gate) * up)
-    tl.store(h_ptr + p * INTER + n, h.to(OUT), mask=n_ok)
+    tl.store(h_ptr + p * INTER + n, weighted_swiglu(g, u, weight, limit, h_ptr.dtype.element_ty),
+             mask=n_ok)
 
 
 @triton.jit
@@ -156,11 +173,8 @@ def down_kernel(h_ptr, indices_ptr, w2_ptr, routed_ptr, out_ptr, D, INTER, E,
     if ROUTED:
         out = tl.zeros([BLOCK_N], dtype=tl.float32)
         last = -1
-        for _ in tl.static_range(K):    # the token's pairs by (expert, slot), smallest first
-            key = E * K
-            for j in tl.static_range(K):
-                kj = tl.load(indices_ptr + t * K + j) * K + j
-                key = tl.where((kj > last) & (kj < key), kj, key)
+        for _ in tl.static_range(K):
+            key = next_pair(indices_ptr, t, last, E, K)
             p = t * K + key % K
             out += _row_times_w2(h_ptr + p * INTER, w2_ptr + (key // K) * D * INTER, n, n_ok,
                                  INTER, BLOCK_K)

@@ -102,6 +102,42 @@ def _row_range(offs_ptr, n_rows, GROUPED: tl.constexpr):
 
 
 @triton.jit
+def _row_dot(a, b, EXACT_DOT: tl.constexpr):
+    """a [M, K] times b [K, N] in fp32: bf16 / fp8 matrix cores, or for one row (a decode pair of
+    the fused MoE; tl.dot needs 16 rows) a broadcast multiply and sum. EXACT_DOT: in float64,
+    exact for these sums of exact products, rounded once to fp32."""
+    if EXACT_DOT:
+        a64 = a.to(tl.float32).to(tl.float64)
+        b64 = b.to(tl.float32).to(tl.float64)
+        if a.shape[0] == 1:
+            return tl.sum(tl.trans(a64) * b64, axis=0, keep_dims=True).to(tl.float32)
+        return tl.dot(a64, b64).to(tl.float32)
+    if a.shape[0] == 1:
+        return tl.sum(tl.trans(a.to(tl.float32)) * b.to(tl.float32), axis=0, keep_dims=True)
+    return tl.dot(a, b)
+
+
+@triton.jit
+def fp8_k128(acc, x_rows, row_ok, w_base, ws_base, col_ok, k0, FP8: tl.constexpr,
+             FNUZ_ACT: tl.constexpr, ROUND_SCALE: tl.constexpr, SCALE_E8M0: tl.constexpr,
+             EXACT_DOT: tl.constexpr):
+    """acc [M, N] + the rows' 128 K values from k0 (x_rows [M, 1]: the rows' pointers; one
+    activation scale) times the FP8 weight's block (w_base [1, N]: the columns' rows; ws_base:
+    the columns' 128x128 scale row)."""
+    kk = tl.arange(0, 128)
+    x = tl.load(x_rows + k0 + kk[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    s = _act_scale(tl.max(tl.abs(x), axis=1), ROUND_SCALE)
+    y = tl.clamp(_divide(x, s, ROUND_SCALE), -FP8_MAX, FP8_MAX)
+    if FNUZ_ACT:
+        y = y * 0.5
+        s = s * 2.0
+    b = tl.load(w_base + k0 + kk[:, None], mask=col_ok[None, :], other=0)
+    partial = _row_dot(y.to(FP8), b.to(FP8, bitcast=True), EXACT_DOT)
+    sb = _load_scale(ws_base + k0 // 128, SCALE_E8M0)
+    return acc + partial * (s[:, None] * sb)
+
+
+@triton.jit
 def fp8_linear_kernel(x_ptr, x_stride, w_ptr, w_stride_e, w_stride_n, ws_ptr, ws_stride_e,
                       ws_stride_n, offs_ptr, out_ptr, out_stride, n_rows, n_out, K,
                       FP8: tl.constexpr, FNUZ_ACT: tl.constexpr, ROUND_SCALE: tl.constexpr,
@@ -111,7 +147,6 @@ def fp8_linear_kernel(x_ptr, x_stride, w_ptr, w_stride_e, w_stride_n, ws_ptr, ws
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n_out
     start, end = _row_range(offs_ptr, n_rows, GROUPED)
-    kk = tl.arange(0, 128)
     w_base = w_ptr + e.to(tl.int64) * w_stride_e + cols[None, :].to(tl.int64) * w_stride_n
     ws_base = (ws_ptr + e.to(tl.int64) * ws_stride_e
                + (tl.program_id(1) * BLOCK_N // 128) * ws_stride_n)
@@ -122,22 +157,8 @@ def fp8_linear_kernel(x_ptr, x_stride, w_ptr, w_stride_e, w_stride_n, ws_ptr, ws
         x_rows = x_ptr + rows[:, None].to(tl.int64) * x_stride
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, 128):
-            x = tl.load(x_rows + k0 + kk[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-            s = _act_scale(tl.max(tl.abs(x), axis=1), ROUND_SCALE)
-            y = tl.clamp(_divide(x, s, ROUND_SCALE), -FP8_MAX, FP8_MAX)
-            if FNUZ_ACT:
-                y = y * 0.5
-                s = s * 2.0
-            a = y.to(FP8)
-            b = tl.load(w_base + k0 + kk[:, None], mask=col_ok[None, :], other=0)
-            b = b.to(FP8, bitcast=True)
-            if EXACT_DOT:
-                partial = tl.dot(a.to(tl.float32).to(tl.float64),
-                                 b.to(tl.float32).to(tl.float64)).to(tl.float32)
-            else:
-                partial = tl.dot(a, b)
-            sb = _load_scale(ws_base + k0 // 128, SCALE_E8M0)
-            acc += partial * (s[:, None] * sb)
+            acc = fp8_k128(acc, x_rows, row_ok, w_base, ws_base, col_ok, k0, FP8, FNUZ_ACT,
+                           ROUND_SCALE, SCALE_E8M0, EXACT_DOT)
         tl.store(out_ptr + rows[:, None].to(tl.int64) * out_stride + cols[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
@@ -164,12 +185,32 @@ def _fp4_block(acc, x, s, w_block, ws_block, col_ok, k0, FP8: tl.constexpr,
     kk = tl.arange(0, 32)
     packed = tl.load(w_block + (k0 + kk[:, None]) // 2, mask=col_ok[None, :], other=0)
     b = _e2m1_to_fp32((packed.to(tl.int32) >> ((kk[:, None] & 1) * 4)) & 0xF)
-    if EXACT_DOT:
-        partial = tl.dot(a.to(tl.float64), b.to(tl.float64)).to(tl.float32)
-    else:
-        partial = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    partial = _row_dot(a.to(tl.bfloat16), b.to(tl.bfloat16), EXACT_DOT)
     sb = _e8m0_to_fp32(tl.load(ws_block + k0 // 32, mask=col_ok, other=127))
     return acc + partial * s[:, None] * sb[None, :]
+
+
+@triton.jit
+def fp4_k128(acc, x_rows, row_ok, w_block, ws_block, col_ok, k0, FP8: tl.constexpr,
+             FP8_HALVES: tl.constexpr, ROUND_SCALE: tl.constexpr, EXACT_DOT: tl.constexpr):
+    """acc [M, N] + the rows' 128 K values from k0 (x_rows [M, 32]: pointers to the rows'
+    first 32; one activation scale) times the FP4 weight's four blocks of 32 (w_block [1, N]:
+    the packed rows of the columns, ws_block [N]: their scale rows)."""
+    x0 = tl.load(x_rows + k0, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    x1 = tl.load(x_rows + k0 + 32, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    x2 = tl.load(x_rows + k0 + 64, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    x3 = tl.load(x_rows + k0 + 96, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.maximum(tl.max(tl.abs(x0), axis=1), tl.max(tl.abs(x1), axis=1)),
+                      tl.maximum(tl.max(tl.abs(x2), axis=1), tl.max(tl.abs(x3), axis=1)))
+    s = _act_scale(amax, ROUND_SCALE)
+    acc = _fp4_block(acc, x0, s, w_block, ws_block, col_ok, k0, FP8, FP8_HALVES, ROUND_SCALE,
+                     EXACT_DOT)
+    acc = _fp4_block(acc, x1, s, w_block, ws_block, col_ok, k0 + 32, FP8, FP8_HALVES,
+                     ROUND_SCALE, EXACT_DOT)
+    acc = _fp4_block(acc, x2, s, w_block, ws_block, col_ok, k0 + 64, FP8, FP8_HALVES,
+                     ROUND_SCALE, EXACT_DOT)
+    return _fp4_block(acc, x3, s, w_block, ws_block, col_ok, k0 + 96, FP8, FP8_HALVES,
+                      ROUND_SCALE, EXACT_DOT)
 
 
 @triton.jit
@@ -191,22 +232,9 @@ def fp4_linear_kernel(x_ptr, x_stride, w_ptr, w_stride_e, w_stride_n, ws_ptr, ws
         row_ok = rows < end
         x_rows = x_ptr + rows[:, None].to(tl.int64) * x_stride + kk[None, :]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, 128):     # one activation scale per 128, four weight blocks of 32
-            x0 = tl.load(x_rows + k0, mask=row_ok[:, None], other=0.0).to(tl.float32)
-            x1 = tl.load(x_rows + k0 + 32, mask=row_ok[:, None], other=0.0).to(tl.float32)
-            x2 = tl.load(x_rows + k0 + 64, mask=row_ok[:, None], other=0.0).to(tl.float32)
-            x3 = tl.load(x_rows + k0 + 96, mask=row_ok[:, None], other=0.0).to(tl.float32)
-            amax = tl.maximum(tl.maximum(tl.max(tl.abs(x0), axis=1), tl.max(tl.abs(x1), axis=1)),
-                              tl.maximum(tl.max(tl.abs(x2), axis=1), tl.max(tl.abs(x3), axis=1)))
-            s = _act_scale(amax, ROUND_SCALE)
-            acc = _fp4_block(acc, x0, s, w_block, ws_block, col_ok, k0, FP8, FP8_HALVES,
-                             ROUND_SCALE, EXACT_DOT)
-            acc = _fp4_block(acc, x1, s, w_block, ws_block, col_ok, k0 + 32, FP8, FP8_HALVES,
-                             ROUND_SCALE, EXACT_DOT)
-            acc = _fp4_block(acc, x2, s, w_block, ws_block, col_ok, k0 + 64, FP8, FP8_HALVES,
-                             ROUND_SCALE, EXACT_DOT)
-            acc = _fp4_block(acc, x3, s, w_block, ws_block, col_ok, k0 + 96, FP8, FP8_HALVES,
-                             ROUND_SCALE, EXACT_DOT)
+        for k0 in range(0, K, 128):     # one activation scale per 128
+            acc = fp4_k128(acc, x_rows, row_ok, w_block, ws_block, col_ok, k0, FP8,
+                           FP8_HALVES, ROUND_SCALE, EXACT_DOT)
         tl.store(out_ptr + rows[:, None].to(tl.int64) * out_stride + cols[None, :],
                  acc.to(tl.bfloat16), mask=row_ok[:, None] & col_ok[None, :])
 

@@ -87,6 +87,7 @@ def _variants(dialect):
         **_quant_linear_variants(dialect),
         **_mhc_fused_variants(),
         **_moe_fused_variants(),
+        **_moe_fused_quant_variants(dialect),
         **_compressor_variants(),
         **_indexer_topk_variants(),
         **_attention_projection_variants(),
@@ -133,6 +134,35 @@ def _moe_fused_variants():
             "E_PAD": 256, "BLOCK_K": F.ROUTE_BLOCK_K}),
         "moe_routed gate_up": (F.gate_up_kernel, mlp, {"K": 6, "ROUTED": True, **blocks}),
         "moe_routed down": (F.down_kernel, down, {"K": 6, "ROUTED": True, **blocks}),
+    }
+
+
+def _moe_fused_quant_variants(dialect):
+    """The MoE's kernels for the published formats as the Flash config runs them (D 4096, inter
+    2048, top 6, ue8m0 scales): FP4 routed experts, the FP8 shared expert (fnuz weights from
+    ocp_to_fnuz on gfx942)."""
+    from . import moe_fused_quant_triton as F
+    from .triton_kv_row import fp8_type
+
+    mlp = {"x_ptr": "*bf16", "indices_ptr": "*i64", "weights_ptr": "*fp32", "w1_ptr": "*u8",
+           "w3_ptr": "*u8", "s1_ptr": "*u8", "s3_ptr": "*u8", "h_ptr": "*bf16", "D": "i32:D",
+           "INTER": "i32:D", "limit": "fp32"}
+    down = {"h_ptr": "*bf16", "indices_ptr": "*i64", "w2_ptr": "*u8", "s2_ptr": "*u8",
+            "routed_ptr": "*fp32", "out_ptr": "*fp32", "D": "i32:D", "INTER": "i32:D", "E": "i32"}
+    shared = {"indices_ptr": "*bf16"}   # the shared launches pass x there (unread)
+
+    def variant(kernel, sig, fp4):
+        routed = {"K": 6, "ROUTED": True} if fp4 else {"K": 1, "ROUTED": False}
+        return kernel, sig, {**routed, "FP4": fp4, "FP8": fp8_type(dialect),
+                             "HALVES": dialect.name == "fnuz", "SCALE_E8M0": True,
+                             "BLOCK_N": F.BLOCK_N, "EXACT_DOT": False}, F.LAUNCH_OPTIONS
+
+    return {
+        "moe_routed gate_up (fp4)": variant(F.quant_gate_up_kernel, mlp, True),
+        "moe_routed down (fp4)": variant(F.quant_down_kernel, down, True),
+        "moe_shared gate_up (fp8)": variant(F.quant_gate_up_kernel, {**mlp, **shared}, False),
+        "moe_shared down (fp8)": variant(F.quant_down_kernel,
+                                         {**down, **shared, "out_ptr": "*bf16"}, False),
     }
 
 

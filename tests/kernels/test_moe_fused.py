@@ -220,7 +220,7 @@ def test_bad_arguments_raise_naming_them():
         moe_shared(torch.zeros(2, DIM + 1), x, **shared_weights(False))
 
 
-# ---- Triton kernels (bf16 weights), in the interpreter on a CPU ------------------------------
+# ---- Triton kernels (bf16 weights; FP4 / FP8: test_moe_fused_quant.py), in the interpreter --
 
 triton_only = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                  reason="needs triton")
@@ -277,8 +277,8 @@ def test_triton_routed_and_shared_match_the_reference(n):
 
 @triton_only
 def test_the_backend_follows_the_options():
-    """Triton when asked (bf16: the fused kernels; FP4 / FP8: the quantized linears' kernels
-    inside the op), the torch reference by default on a CPU."""
+    """bf16 weights: Triton when asked, the torch reference by default on a CPU (FP4 / FP8
+    weights: test_moe_fused_quant.py)."""
     if DEV.type != "cpu":
         pytest.skip("the CPU backend choice (the interpreter)")
     triton = KernelOptions(backend="triton")
@@ -289,23 +289,4 @@ def test_the_backend_follows_the_options():
         return args[-1]
     assert backend(lambda: moe_routed(x, weights, indices, **bf16_experts(),
                                       options=triton)) == "triton"
-    assert backend(lambda: moe_routed(x, weights, indices, **fp4_experts(),
-                                      options=triton)) == "triton"
     assert backend(lambda: moe_routed(x, weights, indices, **bf16_experts())) == "torch"
-
-
-@triton_only
-def test_triton_native_experts_give_the_reference_bits(n=3):
-    """FP4 routed / FP8 shared experts on the Triton backend: the quantized linears' kernels
-    (exact dots in the interpreter) inside the same chain: bit for bit the torch path."""
-    w = on_dev(fp4_experts(seed=30))
-    x, weights, indices = (t.to(DEV) for t in routing(n, seed=31))
-    scales = (w["w1_scale"], w["w3_scale"], w["w2_scale"])
-    args = (x, weights, indices, w["w1"], w["w3"], w["w2"], *scales, LIMIT, "ocp")
-    want = torch.ops.dsv4.moe_routed(*args, "torch")
-    assert torch.equal(torch.ops.dsv4.moe_routed(*args, "triton"), want)
-    s = on_dev(shared_weights(True, seed=32))
-    args = (want, x, s["w1"], s["w3"], s["w2"], s["w1_scale"], s["w3_scale"], s["w2_scale"],
-            LIMIT)
-    assert torch.equal(torch.ops.dsv4.moe_shared(*args, "triton"),
-                       torch.ops.dsv4.moe_shared(*args, "torch"))

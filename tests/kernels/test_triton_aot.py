@@ -19,12 +19,15 @@ pytest.importorskip("triton")
 from hip_kernels import (compressor_update_triton, decode_attention_triton,  # noqa: E402
                          grouped_out_proj_triton, indexer_query_triton,
                          indexer_scores_triton, mhc_fused_triton, mhc_split_triton,
-                         moe_fused_triton, quant_linear_triton, set_kv_triton)
+                         moe_fused_quant_triton, moe_fused_triton, quant_linear_triton,
+                         set_kv_triton)
 
 ROOT = Path(__file__).resolve().parents[2]
 QUANTIZING = {"fused_k_norm_rope_store", "fused_k_norm_rope_store+q",
               "fused_translate_norm_rope_store", "fused_store_cache", "indexer_store",
-              "fp8_linear (16 rows)", "fp8_linear (64 rows)", "fp4_grouped_linear (16 rows)"}
+              "fp8_linear (16 rows)", "fp8_linear (64 rows)", "fp4_grouped_linear (16 rows)",
+              "moe_routed gate_up (fp4)", "moe_routed down (fp4)", "moe_shared gate_up (fp8)",
+              "moe_shared down (fp8)"}
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +42,7 @@ def report():
 def test_every_kernel_compiles_for_both_targets(report):
     kernels = {n for mod in (set_kv_triton, mhc_split_triton, indexer_scores_triton,
                              decode_attention_triton, quant_linear_triton, mhc_fused_triton,
-                             moe_fused_triton, compressor_update_triton,
+                             moe_fused_triton, moe_fused_quant_triton, compressor_update_triton,
                              indexer_query_triton, grouped_out_proj_triton)
                for n in dir(mod) if n.endswith("_kernel")}
     for arch in ("gfx942", "gfx950"):
