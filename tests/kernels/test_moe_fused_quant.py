@@ -50,12 +50,13 @@ def fp4_experts(seed):
 
 
 def fp8_expert(seed, fnuz=False):
-    """e4m3fn weights with one random ue8m0 scale per 128x128 block (fnuz: `ocp_to_fnuz`'s)."""
+    """e4m3fn weights with one random ue8m0 scale 2^-6 .. 2^-3 per 128x128 block (fnuz:
+    `ocp_to_fnuz`'s)."""
     g, out = gen(seed), {}
     for name, (n, k) in (("w1", (SHARED_INTER, DIM)), ("w3", (SHARED_INTER, DIM)),
                          ("w2", (DIM, SHARED_INTER))):
         w = (torch.randn(n, k, generator=g) * 8).to(torch.float8_e4m3fn)
-        s = torch.randint(118, 122, (n // 128, k // 128), generator=g,
+        s = torch.randint(121, 125, (n // 128, k // 128), generator=g,
                           dtype=torch.uint8).view(torch.float8_e8m0fnu)
         out[name], out[name + "_scale"] = ocp_to_fnuz(w, s) if fnuz else (w, s)
     return {k: v.to(DEV) for k, v in out.items()}
@@ -137,7 +138,7 @@ def test_fp8_shared_matches_the_reference(fnuz, fused_calls):
     activations stored halved with a doubled scale."""
     s = fp8_expert(seed=7, fnuz=fnuz)
     x, _, _ = routing(2, seed=8)
-    routed = torch.randn(2, DIM, generator=gen(9)).to(DEV)
+    routed = (torch.randn(2, DIM, generator=gen(9)) / 4).to(DEV)   # the expert's part dominates
     args = (routed, x, s["w1"], s["w3"], s["w2"], s["w1_scale"], s["w3_scale"], s["w2_scale"],
             LIMIT)
     want = torch.ops.dsv4.moe_shared(*args, "torch")
