@@ -136,32 +136,47 @@ def test_status_names_what_would_be_replaced():
                                    "fused_k_norm_rope_store on torch")
 
 
-LOADER = textwrap.dedent("""
-    import logging, sys
-    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(name)s %(message)s")
-    from vllm.plugins import load_general_plugins
-    load_general_plugins()
-    from vllm.models.deepseek_v4.attention import DeepseekV4Attention as A
-    print("PATCHED", hasattr(A._fused_qnorm_rope_kv_insert, "__wrapped__"))
-""")
-
-
 LOADER_CASES = [({}, True), ({"VLLM_PLUGINS": "other"}, False), ({"DSV4_VLLM_PLUGIN": "0"}, False)]
+
+# vLLM's loader in one fresh process, the cases one after another: the first (the default
+# environment) exactly as a server starts; before each later one the process is put back as it
+# was (vLLM's once-per-process guard, our flags' cached values, the original method), so each
+# case is vLLM's real load_general_plugins under its own environment, for one vLLM import.
+LOADER = textwrap.dedent("""
+    import json, logging, os, sys
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(name)s %(message)s")
+    import vllm.plugins
+    from vllm.models.deepseek_v4.attention import DeepseekV4Attention as A
+    from hip_kernels import flags
+    original = A.__dict__["_fused_qnorm_rope_kv_insert"]
+    for i, env in enumerate(json.loads(sys.argv[1])):
+        for name in ("VLLM_PLUGINS", "DSV4_VLLM_PLUGIN"):
+            os.environ.pop(name, None)
+        os.environ.update(env)
+        flags.refresh()
+        A._fused_qnorm_rope_kv_insert = original
+        vllm.plugins.plugins_loaded = False
+        print("CASE", i, flush=True)
+        vllm.plugins.load_general_plugins()
+        print("PATCHED", hasattr(A._fused_qnorm_rope_kv_insert, "__wrapped__"), flush=True)
+""")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                     reason="vLLM is not installed (the README's test command installs it: "
                            "requirements/vllm.txt)")
 def test_vllm_loader_installs_the_plugin():
-    """One fresh process per case (vLLM's loader runs once per process), started together: each
-    spends ~20 s importing vLLM."""
+    import json
     import os
 
-    procs = [subprocess.Popen([sys.executable, "-c", LOADER], env={**os.environ, **env},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for env, _ in LOADER_CASES]
-    for (env, patched), proc in zip(LOADER_CASES, procs):
-        out, err = proc.communicate(timeout=600)
-        assert proc.returncode == 0, (env, err[-3000:])
-        assert f"PATCHED {patched}" in out, (env, out[-3000:])
-        assert ("vLLM 0.33.0 plugin active" in out) == patched, (env, out[-3000:])
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "DSV4_VLLM_PLUGIN")}
+    proc = subprocess.run([sys.executable, "-c", LOADER, json.dumps([e for e, _ in LOADER_CASES])],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cases = proc.stdout.split("CASE ")[1:]
+    assert len(cases) == len(LOADER_CASES), proc.stdout[-3000:]
+    for (case_env, patched), out in zip(LOADER_CASES, cases):
+        assert f"PATCHED {patched}" in out, (case_env, out[-3000:])
+        assert ("vLLM 0.33.0 plugin active" in out) == patched, (case_env, out[-3000:])
+        assert ("plugin off (DSV4_VLLM_PLUGIN=0)" in out) == ("DSV4_VLLM_PLUGIN" in case_env), \
+            (case_env, out[-3000:])
