@@ -76,7 +76,7 @@ SUBPROCESS_TESTS = (
     "tests/model/test_checkpoint.py::test_lazy_exports_keep_import_cheap",
     "tests/runtime/test_imports.py::test_packages_import_without_triton",
     "tests/kernels/test_set_kv_triton.py::test_triton_backend_on_cpu_needs_the_interpreter",
-    "tests/plugins/test_plugin_sglang.py::test_loader_in_fresh_processes",
+    "tests/plugins/test_plugin_sglang.py::test_loader_in_a_fresh_process",
     "tests/plugins/test_plugin_vllm.py::test_vllm_loader",
 )
 

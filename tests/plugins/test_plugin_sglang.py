@@ -2,6 +2,7 @@
 real DeepSeekV4TokenToKVPool built on the CPU, compared byte for byte with an independent encoder
 of the layout and with SGLang's own torch writer of that layout."""
 
+import json
 import logging
 import subprocess
 import sys
@@ -181,37 +182,52 @@ def test_different_signatures_patch_nothing(monkeypatch, caplog):
     assert "set_swa_key_buffer_radix_fused('self', 'layer_id', 'loc', 'k') differs" in caplog.text
 
 
+# SGLang's loader in one fresh process, the scenarios one after another: the two that must
+# patch nothing first, the one that patches last (nothing has to be unpatched between them).
+# Before each, SGLang's once-per-process guard, its hook registry and our cached flags are
+# reset, so each scenario is SGLang's real load_plugins under its own environment, for one
+# SGLang import.
 LOADER = textwrap.dedent("""
-    import logging, sys
+    import json, logging, os, sys
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(name)s %(message)s")
-    from sglang.srt.plugins import load_plugins
+    import sglang.srt.plugins as plugins
     from sglang.srt.plugins.hook_registry import HookRegistry
-    load_plugins()
-    ours = sorted(t.rsplit(".", 1)[1] for t in HookRegistry._patched if "DeepSeekV4" in t)
-    print("PATCHED", ours)
+    from hip_kernels import flags
+    for env in json.loads(sys.argv[1]):
+        for name in ("SGLANG_PLUGINS", "DSV4_SGLANG_PLUGIN"):
+            os.environ.pop(name, None)
+        os.environ.update(env)
+        flags.refresh()
+        HookRegistry.reset()
+        plugins._plugins_loaded = False
+        print("SCENARIO", flush=True)
+        plugins.load_plugins()
+        ours = sorted(t.rsplit(".", 1)[1] for t in HookRegistry._patched if "DeepSeekV4" in t)
+        print("PATCHED", ours, flush=True)
 """)
 
 
-SCENARIOS = [  # (environment, whether our hooks get applied)
-    ({"SGLANG_PLUGINS": "dsv4_rocm"}, True),
+SCENARIOS = [  # (environment, whether our hooks get applied); the patching one last
     ({"SGLANG_PLUGINS": "some_other_plugin"}, False),
     ({"DSV4_SGLANG_PLUGIN": "0"}, False),
+    ({"SGLANG_PLUGINS": "dsv4_rocm"}, True),
 ]
 
 
-def test_loader_in_fresh_processes():
-    """SGLang's loader in new processes (started together: each one imports SGLang)."""
-    procs = [subprocess.Popen([sys.executable, "-c", LOADER], env={**stub_path_env(), **env},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for env, _ in SCENARIOS]
+def test_loader_in_a_fresh_process():
+    env = {k: v for k, v in stub_path_env().items()
+           if k not in ("SGLANG_PLUGINS", "DSV4_SGLANG_PLUGIN")}
+    proc = subprocess.run([sys.executable, "-c", LOADER, json.dumps([e for e, _ in SCENARIOS])],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    outs = proc.stdout.split("SCENARIO\n")[1:]
+    assert len(outs) == len(SCENARIOS), proc.stdout[-2000:]
     names = sorted(plugin.REPLACEMENTS)
-    for proc, (env, patched) in zip(procs, SCENARIOS):
-        out, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, err[-2000:]
+    for out, (scenario_env, patched) in zip(outs, SCENARIOS):
         line = [x for x in out.splitlines() if x.startswith("PATCHED")][0]
-        assert line == f"PATCHED {names if patched else []}", env
-        if "DSV4_SGLANG_PLUGIN" in env:
-            assert "SGLang plugin off (DSV4_SGLANG_PLUGIN=0)" in out
+        assert line == f"PATCHED {names if patched else []}", scenario_env
+        assert ("SGLang plugin off (DSV4_SGLANG_PLUGIN=0)" in out) == \
+            ("DSV4_SGLANG_PLUGIN" in scenario_env), scenario_env
 
 
 def test_status_line_says_what_would_be_replaced_or_why_not(monkeypatch, flag_env):
