@@ -90,7 +90,8 @@ def test_generate_reports_prefill_decode_and_pool_usage(generate, graph):
 def test_readme_main_command_prints_the_engines_tokens(one_thread):
     """The README's main command (defaults: small preset in the published formats, seed 0, 4
     random prompts of 32 ids, 16 new tokens, graphs) prints the tokens the engine generates for
-    the same inputs."""
+    the same inputs (the engine here runs eagerly: graphs and eager give the same bits, and
+    the capture would double the test's time)."""
     from dsv4 import DeepseekV4Model, init_random_weights
     from dsv4.engine import Engine
 
@@ -102,7 +103,7 @@ def test_readme_main_command_prints_the_engines_tokens(one_thread):
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(2, model.config.vocab_size, (4, 32), generator=g).tolist()
     engine = Engine(model, max_batch=4, max_context_len=48,
-                    eos_token_id=model.config.eos_token_id, graph=True)
+                    eos_token_id=model.config.eos_token_id, graph=False)
     want = engine.generate(prompts, 16).tokens
     assert got == dict(enumerate(want))
     assert all(1 <= len(t) <= 16 for t in want)
