@@ -1,5 +1,5 @@
-"""Every Triton kernel (set-KV, mHC, the MoE, the attention half, the quantized linears) compiles ahead of time for MI300
-(gfx942) and MI350 (gfx950).
+"""Every Triton kernel (set-KV, mHC, the MoE, the attention half, the quantized linears)
+compiles ahead of time for MI300 (gfx942) and MI350 (gfx950).
 
 Compiled in a subprocess with the interpreter off. Asserts no scratch memory and no spills on
 either target, the hardware fp32 -> fp8 convert on both (gfx942 fnuz: v_cvt_pk_fp8_f32, not
