@@ -34,7 +34,7 @@ QUANTIZING = {"fused_k_norm_rope_store", "fused_k_norm_rope_store+q",
 def report():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "scripts/triton_aot_report.py", "--json"], cwd=ROOT,
-                         env=env, capture_output=True, text=True, timeout=300)
+                         env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout)
 
