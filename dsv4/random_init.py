@@ -23,9 +23,11 @@ def _normal(shape, g: torch.Generator, std: float, mean: float = 0.0) -> torch.T
     return torch.randn(shape, generator=g) * std + mean
 
 
-def init_random_weights(model: nn.Module, seed: int = 0) -> nn.Module:
+def init_random_weights(model: nn.Module, seed: int = 0, normal=None) -> nn.Module:
     """Fill every parameter and buffer of a DeepseekV4Model in place (CPU generator, so the values
-    do not depend on the device). Returns the model."""
+    do not depend on the device). Returns the model. ``normal(shape, g, std, mean)``: where the
+    normal values come from (default: torch.randn draws; a benchmark may pass a cheaper source
+    for a Flash-sized model, whose billion draws take minutes on a CPU)."""
     cfg = model.config
     g = torch.Generator().manual_seed(seed)
     state = model.state_dict(keep_vars=True)
@@ -37,7 +39,7 @@ def init_random_weights(model: nn.Module, seed: int = 0) -> nn.Module:
             scale = whole.get(name[:-len("weight")] + "scale") if leaf == "weight" else None
             if leaf == "scale" and name[:-len("scale")] + "weight" in whole:
                 continue                # filled with its weight
-            value = _draw(name, leaf, p, scale is not None, cfg, g)
+            value = _draw(name, leaf, p, scale is not None, cfg, g, normal or _normal)
             if name not in state:
                 continue                # another rank's expert
             value = shards.take(split, name, value)
@@ -50,34 +52,34 @@ def init_random_weights(model: nn.Module, seed: int = 0) -> nn.Module:
 
 
 def _draw(name: str, leaf: str, p: torch.Tensor, quantized: bool, cfg,
-          g: torch.Generator) -> torch.Tensor:
+          g: torch.Generator, normal) -> torch.Tensor:
     """The random value of the whole tensor ``name`` (``p``: the whole model's, for its shape)."""
     hc = cfg.hc_mult
     if quantized:
         shape = native.logical_shape(p)
-        return _normal(shape, g, shape[-1] ** -0.5).to(torch.bfloat16)
+        return normal(shape, g, shape[-1] ** -0.5).to(torch.bfloat16)
     if leaf == "tid2eid":
         return torch.stack([torch.randperm(cfg.n_routed_experts, generator=g)[:p.shape[1]]
                             for _ in range(p.shape[0])])
     if name.endswith("norm.weight"):
-        return _normal(p.shape, g, 0.1, 1.0)
+        return normal(p.shape, g, 0.1, 1.0)
     if leaf == "attn_sink":
-        return _normal(p.shape, g, 1.0, 1.0)
+        return normal(p.shape, g, 1.0, 1.0)
     if leaf == "ape":
-        return _normal(p.shape, g, 0.5)
+        return normal(p.shape, g, 0.5)
     if leaf == "bias":
-        return _normal(p.shape, g, 0.1)
+        return normal(p.shape, g, 0.1)
     if "hc_" in leaf and leaf.endswith("_fn"):
-        return _normal(p.shape, g, p.shape[1] ** -0.5)
+        return normal(p.shape, g, p.shape[1] ** -0.5)
     if "hc_" in leaf and leaf.endswith("_scale"):
-        return _normal(p.shape, g, 0.1, 0.5)
+        return normal(p.shape, g, 0.1, 0.5)
     if "hc_" in leaf and leaf.endswith("_base"):
-        value = _normal(p.shape, g, 0.5).to(p.dtype)
+        value = normal(p.shape, g, 0.5).to(p.dtype)
         if p.numel() == (2 + hc) * hc:  # lean comb towards the identity (a residual stream)
             value[2 * hc:] += 2.0 * torch.eye(hc).flatten().to(p.dtype)
         return value
     if name == "embed.weight":
-        return _normal(p.shape, g, 1.0)
+        return normal(p.shape, g, 1.0)
     if p.dim() == 2:
-        return _normal(p.shape, g, p.shape[1] ** -0.5)
+        return normal(p.shape, g, p.shape[1] ** -0.5)
     raise ValueError(f"init_random_weights: no rule for {name} {tuple(p.shape)}")

@@ -12,14 +12,18 @@ cache, multi-stream and fused-translation flips and DSV4_NUMERICS=fp32 in eager 
 GPU each DSV4_KERNEL_BACKEND (torch, triton, hip; on a CPU only the torch path runs, so those are
 skipped). --quick runs the first four.
 
-Model: on a CPU the tiny preset (all its layers); on a GPU the flash preset cut to --layers
-layers (default 4; Flash/Pro-shaped layers, seeded random weights), optionally with fewer routed
-experts (--experts): the cut is stated in "model". --weights: the format the sweep's model holds
-(default native where the config allows it, else bf16; "model" says which).
+Model (``bench_model.py``): on a CPU the tiny preset (all its layers); on a GPU the flash preset
+cut to --layers layers (default 4; Flash/Pro-shaped layers, seeded random weights), optionally
+with fewer routed experts (--experts) and vocabulary rows (--vocab): the cut is stated in
+"model". --weights: the format the sweep's model holds (default native where the config allows
+it, else bf16; "model" says which). --init tiled: random weights from one seeded pool, the same
+tensors and formats built in seconds (a Flash slice's seeded draws take minutes on a CPU).
 
 Weight bytes (``weight_reads.py``, in this process, after the sweep): for each format the config
-allows (native, bf16), the weight bytes one eager decode step reads (the first --concurrency and
---contexts value) against the native active bytes of that step: a count, not a time.
+allows (native, bf16; --weight-reads picks), the weight bytes one eager decode step reads (the
+first --concurrency and --contexts value) against the native active bytes of that step: a
+count, not a time. The native active bytes come from the config and the step's routing, so a
+bf16 model's row gives them too.
 
 Timing: the engine runs one forward per decode step; a step's latency (the ITL sample) is the
 time from the start of its forward to the start of the next one (the last: to the return of
@@ -28,7 +32,7 @@ tokens on the host every step, so host timestamps bound device work.
 
 Output JSON (beyond bench_common's record keys):
   "model": preset, n_layers, n_layers_full, reduced, n_routed_experts, n_routed_experts_full,
-      vocab_size, parameters, weights, note
+      vocab_size, parameters, weights, init, note
   "weight_reads": one row per weight format: weights, concurrency, context_len, bytes_read,
       native_active_bytes, read_vs_native_active, kv_read_bytes, kv_written_bytes (the step's
       KV rows, ``decode_launches.kv_bytes``), floor_ms ((native active + KV bytes) at the
@@ -66,13 +70,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 import bench_common as bc
 import decode_launches
+from bench_model import INITS, build_model
 import weight_reads
 from bench_set_kv import peak_hbm_bytes_per_s
 
@@ -100,37 +104,6 @@ def flag_configs(quick: bool, gpu: bool) -> list[dict]:
 
 
 # ---- worker: one flag configuration, in its own process -----------------------------------
-
-
-def build_model(spec: dict):
-    from dsv4.config import ModelConfig
-    from dsv4.model import DeepseekV4Model
-    from dsv4.random_init import init_random_weights
-
-    cfg = ModelConfig.preset(spec["preset"])
-    full_layers, full_experts, full_vocab = cfg.n_layers, cfg.n_routed_experts, cfg.vocab_size
-    layers = spec["layers"] or cfg.n_layers
-    cfg = replace(cfg, n_layers=layers, compress_ratios=cfg.compress_ratios[:layers],
-                  n_mtp_layers=0, n_hash_layers=min(cfg.n_hash_layers, layers),
-                  n_routed_experts=spec["experts"] or cfg.n_routed_experts,
-                  vocab_size=spec.get("vocab") or cfg.vocab_size)
-    max_seq_len = max(spec["contexts"]) + spec["new_tokens"]
-    model = DeepseekV4Model(cfg, device=bc.device(), max_seq_len=max_seq_len,
-                            weights=spec["weights"])
-    init_random_weights(model, spec["seed"])
-    reduced = (layers < full_layers or cfg.n_routed_experts < full_experts
-               or cfg.vocab_size < full_vocab)
-    info = {"preset": spec["preset"], "n_layers": layers, "n_layers_full": full_layers,
-            "reduced": reduced, "n_routed_experts": cfg.n_routed_experts,
-            "n_routed_experts_full": full_experts, "vocab_size": cfg.vocab_size,
-            "parameters": sum(p.numel() for p in model.parameters()),
-            "weights": model.weights,
-            "note": (f"{spec['preset']} shapes cut to {layers}/{full_layers} layers and "
-                     f"{cfg.n_routed_experts}/{full_experts} routed experts (top-"
-                     f"{cfg.n_activated_experts} per token unchanged), vocabulary "
-                     f"{cfg.vocab_size}/{full_vocab}, random weights")
-            if reduced else f"{spec['preset']} preset, all layers, random weights"}
-    return model, info
 
 
 class StepClock:
@@ -293,7 +266,7 @@ def weight_read_rows(spec: dict) -> list[dict]:
     rows = []
     narrow = native_problem(ModelConfig.preset(spec["preset"]))
     peak = peak_hbm_bytes_per_s()
-    for weights in ("bf16",) if narrow else ("native", "bf16"):
+    for weights in spec["weight_reads"] or (("bf16",) if narrow else ("native", "bf16")):
         model, _ = build_model({**spec, "weights": weights})
         with torch.no_grad():
             row = weight_reads.count_decode_step(model, spec["concurrency"][0],
@@ -334,6 +307,14 @@ def summary_lines(rows: list[dict], errors: list[dict],
     return lines
 
 
+def weight_formats(text: str) -> tuple[str, ...]:
+    formats = tuple(text.split(","))
+    unknown = [f for f in formats if f not in ("native", "bf16")]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown weight formats {unknown}; known: native, bf16")
+    return formats
+
+
 def parse_args(argv=None):
     gpu = bc.on_gpu()
     p = bc.parser(__doc__.split("\n")[0], "results/bench_decode.json", repetitions=False)
@@ -349,6 +330,14 @@ def parse_args(argv=None):
     p.add_argument("--weights", choices=("native", "bf16"), default=None,
                    help="weight format of the sweep's model (default: native where the config "
                         "allows it, else bf16)")
+    p.add_argument("--weight-reads", type=weight_formats, default=None,
+                   help="weight formats whose bytes per step are counted, comma-separated "
+                        "(default: native,bf16 where the config allows native, else bf16; a "
+                        "native count of a Flash slice runs the torch FP8/FP4 GEMMs: minutes "
+                        "on a CPU)")
+    p.add_argument("--init", choices=INITS, default="seeded",
+                   help="random weights: seeded torch.randn draws (default), or tiled from one "
+                        "seeded pool, same shapes and formats in seconds (bench_model.py)")
     p.add_argument("--concurrency", type=bc.int_list, default=None,
                    help="batch sizes (default 1,2,4,8,16,32,64; quick 1,4)")
     p.add_argument("--contexts", type=bc.int_list, default=None,
@@ -372,6 +361,13 @@ def parse_args(argv=None):
     args.new_tokens = args.new_tokens or (9 if args.quick else 65)
     if args.new_tokens < 2:
         p.error("--new-tokens must be >= 2 (the first token comes from the prefill)")
+    if "native" in (args.weight_reads or ()):
+        from dsv4.config import ModelConfig
+        from dsv4.weights.formats import native_problem
+
+        problem = native_problem(ModelConfig.preset(args.preset))
+        if problem:
+            p.error(f"--weight-reads native: {problem}")
     configs = flag_configs(args.quick, gpu)
     if args.configs:
         wanted = args.configs.split(",")
@@ -390,8 +386,8 @@ def main(argv=None) -> dict | None:
         worker(json.loads(args.worker))
         return None
     spec = {k: getattr(args, k) for k in ("preset", "layers", "experts", "vocab", "weights",
-                                          "concurrency", "contexts", "new_tokens", "page_size",
-                                          "seed", "threads")}
+                                          "weight_reads", "init", "concurrency", "contexts",
+                                          "new_tokens", "page_size", "seed", "threads")}
     record = bc.new_record("bench_decode", args, {**spec, "configs": [
         c["name"] for c in args.flag_configs]})
     record["configs"] = args.flag_configs

@@ -96,8 +96,10 @@ def quant_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = blocks.abs().amax(dim=-1).clamp_min(1e-4)
     e = _pow2_exponent_at_least(amax / FP4_MAX)
     x = blocks / torch.ldexp(torch.ones_like(amax), e)[..., None]
+    # The nearest magnitude, a tie to the smaller one: a search among the midpoints (an
+    # eight-way distance tensor per value made random FP4 experts a minute per layer).
     magnitudes = torch.tensor(E2M1_VALUES[:8], dtype=torch.float32, device=w.device)
-    code = (x.abs()[..., None] - magnitudes).abs().argmin(dim=-1)
-    code = (code | torch.where(x < 0, 8, 0)).to(torch.uint8).flatten(-2)
+    code = torch.bucketize(x.abs(), (magnitudes[1:] + magnitudes[:-1]) / 2, out_int32=True)
+    code = (code.to(torch.uint8) | (x < 0).to(torch.uint8) << 3).flatten(-2)
     packed = code[..., 0::2] | (code[..., 1::2] << 4)
     return packed.view(torch.int8), _ue8m0(e)
