@@ -354,12 +354,23 @@ def resource_usage(amdgcn: str) -> dict:
     }
 
 
-def report(archs=ARCHS) -> list[dict]:
-    rows = []
-    for arch in archs:
-        dialect = dialect_for_arch(arch)
-        for name, (kernel, signature, constexprs, *options) in _variants(dialect).items():
-            amdgcn = compile_for(kernel, signature, constexprs, arch, *options).asm["amdgcn"]
-            rows.append({"arch": arch, "dialect": dialect.name, "kernel": name,
-                         "function": kernel.__name__, **resource_usage(amdgcn)})
-    return rows
+def _report_row(arch: str, name: str) -> dict:
+    dialect = dialect_for_arch(arch)
+    kernel, signature, constexprs, *options = _variants(dialect)[name]
+    amdgcn = compile_for(kernel, signature, constexprs, arch, *options).asm["amdgcn"]
+    return {"arch": arch, "dialect": dialect.name, "kernel": name, "function": kernel.__name__,
+            **resource_usage(amdgcn)}
+
+
+def report(archs=ARCHS, jobs: int = 1) -> list[dict]:
+    """One row per (arch, kernel variant), in that order; jobs > 1 compiles in that many
+    processes (each compile is single-threaded)."""
+    work = [(arch, name) for arch in archs for name in _variants(dialect_for_arch(arch))]
+    if jobs <= 1:
+        return [_report_row(*w) for w in work]
+    import concurrent.futures
+    import multiprocessing
+
+    with concurrent.futures.ProcessPoolExecutor(
+            jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return list(pool.map(_report_row, *zip(*work)))

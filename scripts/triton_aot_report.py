@@ -1,12 +1,13 @@
-"""Register and scratch use of the Triton set-KV kernels on AMD targets, compiled without a GPU.
+"""Register and scratch use of the Triton kernels on AMD targets, compiled without a GPU.
 
-    python scripts/triton_aot_report.py [--arch gfx942 gfx950] [--json]
+    python scripts/triton_aot_report.py [--arch gfx942 gfx950] [--jobs N] [--json]
 
 Run with TRITON_INTERPRET unset (the kernels are compiled, not interpreted).
 """
 
 import argparse
 import json
+import os
 
 from hip_kernels.triton_aot import ARCHS, report
 
@@ -14,9 +15,11 @@ from hip_kernels.triton_aot import ARCHS, report
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", nargs="+", default=list(ARCHS))
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                        help="compiles at once, one process each (default: the CPU count)")
     parser.add_argument("--json", action="store_true", help="print one JSON list")
     args = parser.parse_args(argv)
-    rows = report(args.arch)
+    rows = report(args.arch, args.jobs)
     if args.json:
         print(json.dumps(rows))
         return

@@ -142,9 +142,15 @@ def test_triton_report_rows_name_arch_dialect_kernel_and_use(monkeypatch):
 def test_triton_report_script_prints_a_table(monkeypatch, capsys):
     row = {"arch": "gfx942", "dialect": "fnuz", "kernel": "fused_store_cache", "vgpr": 40,
            "sgpr": 18, "scratch_bytes": 0, "hw_fp8_convert": ["v_cvt_pk_fp8_f32"]}
-    monkeypatch.setattr(triton_aot_report, "report",
-                        lambda archs: [row, {**row, "kernel": "hc_split", "hw_fp8_convert": []}])
-    triton_aot_report.main([])
+    calls = []
+
+    def report(archs, jobs):
+        calls.append((archs, jobs))
+        return [row, {**row, "kernel": "hc_split", "hw_fp8_convert": []}]
+
+    monkeypatch.setattr(triton_aot_report, "report", report)
+    triton_aot_report.main(["--jobs", "3"])
+    assert calls == [(["gfx942", "gfx950"], 3)]
     header, store, split = capsys.readouterr().out.splitlines()
     assert header.split() == ["arch", "fp8", "kernel", "vgpr", "sgpr", "scratch", "fp8", "convert"]
     assert store.split() == ["gfx942", "fnuz", "fused_store_cache", "40", "18", "0",
