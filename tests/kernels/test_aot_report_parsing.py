@@ -4,6 +4,9 @@ two report scripts print. The compiles themselves run in tests/kernels/test_hip_
 test_triton_aot.py (a subprocess: the compiler needs the interpreter off); the texts here are
 written by hand in the compilers' formats, so these run with no toolchain."""
 
+import inspect
+import re
+
 import pytest
 from bench_runner import SCRIPTS  # noqa: F401  (puts scripts/ on the import path)
 
@@ -163,3 +166,101 @@ def test_aot_compile_refuses_an_interpreted_process(monkeypatch):
     kernel, signature, constexprs = triton_aot._hc_split_variant()
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET unset"):
         triton_aot.compile_for(kernel, signature, constexprs, "gfx942")
+
+
+@pytest.mark.parametrize("arch, target", [("gfx942", ("hip", "gfx942", 64)),
+                                          ("gfx950", ("hip", "gfx950", 64)),
+                                          ("sm_90", ("cuda", 90, 32))])
+def test_aot_compile_hands_triton_plain_types_aligned_arguments_and_the_target(
+        monkeypatch, arch, target):
+    """What compile_for gives triton.compile (the compile itself needs a process with the
+    interpreter off): Triton's own type names (no ":D"), 16-divisibility on every pointer and on
+    the ints marked ":D" only, the constexprs by name, the target's backend, arch and wave size,
+    the set-KV launch options unless others are given."""
+    import triton
+
+    from hip_kernels.triton_kv_row import LAUNCH_OPTIONS
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    handed = []
+    monkeypatch.setattr(triton, "compile",
+                        lambda src, target, options: handed.append((src, target, options)) or 7)
+    kernel, signature, constexprs = triton_aot._mhc_fused_variants()["hc_pre (+ norm)"]
+    assert triton_aot.compile_for(kernel, signature, constexprs, arch) == 7
+    (src, got_target, options), = handed
+    assert (got_target.backend, got_target.arch, got_target.warp_size) == target
+    assert options == dict(LAUNCH_OPTIONS)
+    assert src.signature["D"] == "i32" and src.signature["iters"] == "i32"
+    assert src.signature["x_ptr"] == "*bf16" and src.signature["mix_eps"] == "fp32"
+    assert not any(t.endswith(":D") for t in src.signature.values())
+    assert {n for n, t in src.signature.items() if t == "constexpr"} == set(constexprs)
+    aligned = {kernel.arg_names[i] for (i,) in src.attrs}
+    pointers = {n for n, t in signature.items() if t.startswith("*")}
+    assert len(pointers) == 8 and aligned == pointers | {"D"}
+    assert all(a == [["tt.divisibility", 16]] for a in src.attrs.values())
+    handed.clear()
+    triton_aot.compile_for(kernel, signature, constexprs, arch, {"num_warps": 8})
+    assert handed[0][2] == {"num_warps": 8}
+
+
+TRITON_DTYPES = "i1 i8 i16 i32 i64 u8 u32 u64 fp16 bf16 fp32 fp64".split()
+TRITON_TYPE = re.compile(rf"\*({'|'.join(TRITON_DTYPES)})|(fp16|bf16|fp32|fp64)|"
+                         rf"([iu](1|8|16|32|64))(:D)?")
+
+
+def declared_constexprs(kernel) -> set:
+    params = inspect.signature(kernel.fn).parameters.values()
+    return {p.name for p in params if str(p.annotation).endswith("constexpr")}
+
+
+@pytest.mark.parametrize("arch", triton_aot.ARCHS)
+def test_triton_variants_type_every_runtime_argument_and_fix_every_constexpr(arch):
+    """Every variant gives each runtime argument a Triton type (a pointer to a dtype, a scalar
+    dtype; ":D", a multiple of 16, on ints only) and a value to each constexpr the kernel
+    declares; the rest of its constants are runtime arguments fixed at 1 (unit strides)."""
+    for name, (kernel, signature, constexprs, *_) in triton_aot._variants(
+            dialect_for_arch(arch)).items():
+        assert set(signature) == set(kernel.arg_names) - set(constexprs), name
+        bad = {a: t for a, t in signature.items() if not TRITON_TYPE.fullmatch(t)}
+        assert not bad, (name, bad)
+        declared = declared_constexprs(kernel)
+        assert declared <= set(constexprs), (name, declared - set(constexprs))
+        assert all(constexprs[a] == 1 for a in set(constexprs) - declared), name
+
+
+@pytest.mark.parametrize("arch", triton_aot.ARCHS)
+def test_triton_variants_that_claim_the_models_shapes_have_them(arch):
+    """The report compiles the kernels at the model's shapes: the Flash config's mHC width,
+    head and rope dims, compress ratios, routed and shared experts per token, and the indexer's
+    top-k of the variant's config (Flash 512, Pro 1024)."""
+    from dsv4.config import ModelConfig
+    from hip_kernels.moe_fused_triton import SCORE_FUNC_IDS
+
+    flash, pro = ModelConfig.preset("flash"), ModelConfig.preset("pro")
+    variants = triton_aot._variants(dialect_for_arch(arch))
+    seen = set()
+    for name, (kernel, _, cex, *_) in variants.items():
+        if "HC" in cex:
+            assert cex["HC"] == flash.hc_mult, name
+            seen.add("HC")
+        if "ROPE_DIM" in cex:
+            assert cex["ROPE_DIM"] == flash.rope_head_dim, name
+        if "HEAD_DIM" in cex:
+            indexer = "indexer" in name
+            assert cex["HEAD_DIM"] == (flash.index_head_dim if indexer else flash.head_dim), name
+            seen.add("HEAD_DIM")
+        if "RATIO" in cex:
+            assert cex["RATIO"] in set(flash.compress_ratios) - {0}, name
+            assert cex["OVERLAP"] == (cex["RATIO"] == 4), name
+        if "ROUTED" in cex:
+            assert cex["K"] == (flash.n_activated_experts if cex["ROUTED"]
+                                else flash.n_shared_experts), name
+            seen.add("K")
+    assert seen == {"HC", "HEAD_DIM", "K"}
+    assert sum("HC" in v[2] for v in variants.values()) == 3
+    route = variants["moe_route (biased)"][2]
+    assert route["K"] == flash.n_activated_experts
+    assert route["E_PAD"] >= flash.n_routed_experts
+    assert route["SCORE"] == SCORE_FUNC_IDS[flash.score_func]
+    assert variants["indexer_topk (k 512)"][2]["K"] == flash.index_topk
+    assert variants["indexer_topk (k 1024)"][2]["K"] == pro.index_topk
