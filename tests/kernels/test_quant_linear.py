@@ -27,7 +27,7 @@ from hip_kernels import (KernelOptions, act_quant, fp4_grouped_linear,  # noqa: 
 from hip_kernels import quant_linear_ref as R  # noqa: E402
 from hip_kernels.library import ops  # noqa: E402
 from hip_kernels.platform import FNUZ, OCP  # noqa: E402
-from op_recorder import op_names  # noqa: E402
+from op_recorder import op_names, recorded_calls  # noqa: E402
 from triton_interp_shim import interpreter_shim  # noqa: E402,F401 (autouse fixture)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -307,6 +307,24 @@ def test_each_call_is_one_dispatcher_op(options):
            "fp4_grouped_linear": fp4_grouped_linear}
     for name, args in small_args(gen(8)).items():
         assert op_names(lambda: fns[name](*args, options=options)) == [f"dsv4::{name}"]
+
+
+@pytest.mark.parametrize("platform, weight_dtype, backend", [
+    (OCP, torch.float8_e4m3fn, "triton"), (FNUZ, torch.float8_e4m3fnuz, "triton"),
+    (FNUZ, torch.float8_e4m3fn, "torch")])
+def test_triton_asked_runs_triton_unless_the_weights_are_ocp_on_an_fnuz_platform(
+        monkeypatch, platform, weight_dtype, backend):
+    """The Triton kernels decode the weights in the platform's dialect: published (OCP) e4m3fn
+    weights on an fnuz platform (not converted at load) go to the torch reference."""
+    import hip_kernels.quant_linear as Q
+
+    monkeypatch.setattr(Q, "fp8_dialect", lambda: platform)
+    g = gen(14)
+    x, w, ws = small_args(g)["fp8_linear"]
+    w = w.view(torch.uint8).clamp(max=0x7e).view(weight_dtype)   # no NaN in either dialect
+    calls = recorded_calls(lambda: fp8_linear(x, w, ws, options=TRITON))
+    assert [(name, [a for a in args if a in ("torch", "triton", "hip")]) for name, args in calls
+            ] == [("dsv4::fp8_linear", [backend])]
 
 
 def test_meta_tensors_give_the_output_shape():
