@@ -262,3 +262,25 @@ def test_the_legacy_location_cache_is_replaced_only_where_sglang_has_it():
     assert problem == (f"{plugin.POOL_CLASS}.get_cached_swa_loc('self', 'loc') differs from the "
                        "expected ('self', 'raw_loc', 'layer_id')")
     assert plugin.plan(None) == ({}, f"{plugin.POOL} is not installed")
+
+
+def test_the_plan_runs_on_triton_what_the_hip_kernels_numerics_do_not_cover(monkeypatch,
+                                                                            flag_env):
+    """On ROCm with the HIP extension built, the HIP kernels write only the default numerics:
+    SGLang's (a 1e-8 amax floor for the plain store, fp32 norm and RoPE for the fused one) go to
+    Triton; were they the default, the plan would name HIP."""
+    import hip_kernels.backend as backend
+    from hip_kernels import numerics
+
+    flag_env()                                         # DSV4_KERNEL_BACKEND unset: auto
+    monkeypatch.setattr(plugin, "default_device", lambda: torch.device("cuda"))
+    monkeypatch.setattr(backend, "platform_backend", lambda: "rocm")
+    monkeypatch.setattr(backend, "hip_available", lambda: True)
+    pool = plugin.POOL_CLASS
+    assert plugin.describe_plan(plugin.REPLACEMENTS) == (
+        f"{pool}.set_swa_key_buffer_radix_fused -> fused_store_cache on triton; "
+        f"{pool}.set_swa_key_buffer_radix_fused_norm_rope -> fused_k_norm_rope_store on triton")
+    monkeypatch.setattr(plugin, "sglang_numerics", lambda op: numerics.DEFAULT_NUMERICS)
+    assert plugin.describe_plan(plugin.REPLACEMENTS) == (
+        f"{pool}.set_swa_key_buffer_radix_fused -> fused_store_cache on hip; "
+        f"{pool}.set_swa_key_buffer_radix_fused_norm_rope -> fused_k_norm_rope_store on hip")
