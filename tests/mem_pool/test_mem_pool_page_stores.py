@@ -111,6 +111,21 @@ def test_file_store_capacity_evicts_least_recently_used(tmp_path):
     assert store.free_pages() == 2 and not list(tmp_path.iterdir())
 
 
+def test_reopening_with_a_smaller_capacity_keeps_the_newest_files(tmp_path):
+    """Pages on disk at open are ordered by modification time: the oldest go first."""
+    store = FilePageStore(tmp_path)
+    for i, key in enumerate("abc"):
+        store.put(key, numbered_record(i))
+    for age, key in enumerate("bac"):                     # b newest, c oldest: not put order
+        os.utime(store.path_of(key), (1_000_000 - age * 100, 1_000_000 - age * 100))
+    reopened = FilePageStore(tmp_path, capacity_pages=2)
+    assert reopened.keys() == ["a", "b"] and reopened.free_pages() == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.page", "b.page"]
+    smallest = FilePageStore(tmp_path, capacity_pages=1)
+    assert smallest.keys() == ["b"] and [p.name for p in tmp_path.iterdir()] == ["b.page"]
+    assert same_record(smallest.get("b"), numbered_record(1))
+
+
 def corrupt_cases():
     def flip_payload_byte(data):
         return data[:-5] + bytes([data[-5] ^ 0x01]) + data[-4:]
