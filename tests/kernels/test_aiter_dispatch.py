@@ -396,6 +396,24 @@ def test_the_models_gate_dispatches_only_biased_layers(aiter_env):
     torch.testing.assert_close(gw, ww, rtol=1e-6, atol=1e-7)
 
 
+def test_moe_gate_takes_k_from_one_to_the_expert_count(aiter_env):
+    """k counts the experts per token: 1 (a top-1 gate) up to all E are routed (by aiter when
+    asked, as the torch path), 0 and E + 1 are refused naming k and the range."""
+    _, install = aiter_env
+    install()
+    g = torch.Generator().manual_seed(3)
+    logits, bias = torch.randn(4, 8, generator=g), torch.randn(8, generator=g) * 0.1
+    kw = dict(numerics="reference", options=KernelOptions(aiter="1"))
+    for k in (1, 8):
+        (gw, gi), (ww, wi) = (_by_expert(*aiter_ops.moe_gate(logits, bias, k, 1.5, "sigmoid", **kw)),
+                              _by_expert(*biased_gate(logits, bias, k, 1.5, "sigmoid")))
+        assert gi.shape == (4, k) and torch.equal(gi, wi)
+        torch.testing.assert_close(gw, ww, rtol=1e-6, atol=1e-7)
+    for k in (0, 9):
+        with pytest.raises(ValueError, match=rf"k={k}: expected an int in \[1, 8\]"):
+            aiter_ops.moe_gate(logits, bias, k, 1.5, "sigmoid", **kw)
+
+
 @pytest.mark.parametrize("args,name", [
     ((torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(8), 2), "logits"),
     ((torch.zeros(2, 8), torch.zeros(7), 2), "bias"),
