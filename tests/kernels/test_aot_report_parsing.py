@@ -264,3 +264,32 @@ def test_triton_variants_that_claim_the_models_shapes_have_them(arch):
     assert route["SCORE"] == SCORE_FUNC_IDS[flash.score_func]
     assert variants["indexer_topk (k 512)"][2]["K"] == flash.index_topk
     assert variants["indexer_topk (k 1024)"][2]["K"] == pro.index_topk
+
+
+@pytest.mark.parametrize("compilers", [("c++", "g++"), ("g++",)])
+def test_binding_check_runs_the_host_compiler_syntax_only_against_csrc(monkeypatch, compilers):
+    """The torch binding is checked with the host C++ compiler found on PATH (c++, else g++),
+    syntax only, with csrc and the CUDA headers that nvcc reports on the include path."""
+    commands = []
+
+    def run(cmd):
+        commands.append(cmd)
+        return ' #$ INCLUDES="-I/opt/cuda/targets/include"  \n' if "--dryrun" in cmd else ""
+
+    monkeypatch.setattr(hip_aot.shutil, "which",
+                        lambda name: f"/opt/bin/{name}" if name in compilers + ("nvcc",) else None)
+    monkeypatch.setattr(hip_aot, "_run", run)
+    hip_aot.check_binding()
+    dry, cmd = commands
+    assert dry[0] == "/opt/bin/nvcc"
+    assert cmd[0] == f"/opt/bin/{compilers[0]}" and "-fsyntax-only" in cmd
+    assert cmd[cmd.index("-I") + 1] == str(hip_aot.CSRC)
+    assert "/opt/cuda/targets/include" in cmd
+    assert cmd[-1] == str(hip_aot.CSRC / hip_aot.BINDING)
+
+
+def test_binding_check_without_a_host_compiler_says_so(monkeypatch):
+    monkeypatch.setattr(hip_aot.shutil, "which", lambda name: None)
+    monkeypatch.setattr(hip_aot, "_run", lambda cmd: pytest.fail(f"ran {cmd}"))
+    with pytest.raises(hip_aot.ToolMissing, match=r"no host C\+\+ compiler \(c\+\+/g\+\+\)"):
+        hip_aot.check_binding()
