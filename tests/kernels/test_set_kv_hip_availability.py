@@ -3,6 +3,8 @@
 not retried, and which numerics the kernels take. The build and the kernels themselves are
 tested on a GPU (tests/kernels/test_set_kv_hip_gpu.py)."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch.utils import cpp_extension
@@ -94,6 +96,24 @@ def test_builds_for_each_python_torch_and_toolkit_go_to_their_own_directory(
     monkeypatch.setattr(set_kv_hip.Path, "home", lambda: tmp_path / "home")
     assert set_kv_hip._build_directory().parent.parent == tmp_path / "home" / ".cache" / (
         "torch_extensions")
+
+
+def test_the_build_is_optimized_goes_to_the_build_directory_and_gives_the_ops(
+        monkeypatch, tmp_path):
+    """What _build asks torch's extension loader for: host and device code at -O3, the staged
+    sources, the per-toolkit build directory (not torch's default), a plain library whose ops
+    register torch.ops.dsv4_set_kv, which it returns."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    asked = []
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: asked.append(kw))
+    assert set_kv_hip._build() is getattr(torch.ops, set_kv_hip.LIBRARY)
+    (kw,) = asked
+    build_dir = set_kv_hip._build_directory()
+    assert build_dir.is_relative_to(tmp_path) and kw["build_directory"] == str(build_dir)
+    assert kw["name"] == set_kv_hip.LIBRARY and kw["is_python_module"] is False
+    assert "-O3" in kw["extra_cflags"] and "-O3" in kw["extra_cuda_cflags"]
+    assert kw["sources"] == [str(build_dir / "src" / s) for s in set_kv_hip.SOURCES]
+    assert all(Path(s).is_file() for s in kw["sources"])
 
 
 def test_sources_are_staged_beside_the_build_and_only_rewritten_when_changed(tmp_path):
