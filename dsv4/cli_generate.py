@@ -54,12 +54,12 @@ def prompts_from_args(args, tokenizer, vocab_size: int) -> list[list[int]]:
         path = Path(args.prompt_file)
         if not path.is_file():
             raise UsageError(f"--prompt-file {path}: no such file")
-        lines = [line for line in path.read_text().splitlines() if line.strip()]
+        lines = [(f"{path} line {i + 1}", line)        # blank lines skipped, still counted
+                 for i, line in enumerate(path.read_text().splitlines()) if line.strip()]
         if not lines:
             raise UsageError(f"--prompt-file {path} holds no prompt")
-        prompts = [parse_ids(line, f"{path} line {i + 1}") if IDS_LINE.match(line)
-                   else _encode(tokenizer, line, f"{path} line {i + 1}")
-                   for i, line in enumerate(lines)]
+        prompts = [parse_ids(line, where) if IDS_LINE.match(line) else
+                   _encode(tokenizer, line, where) for where, line in lines]
     else:
         g = torch.Generator().manual_seed(args.seed)
         return torch.randint(2, vocab_size, (args.batch, random_prompt_len(args)),

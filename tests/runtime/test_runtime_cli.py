@@ -404,6 +404,9 @@ def test_prompt_file_errors_name_the_file_and_the_line(tmp_path, capsys, flag_en
     assert rc == 2 and err == [f"error: {prompts} line 2 is text and needs a tokenizer: give "
                                "--model-path DIR with a tokenizer.json (the built-in presets "
                                "have none), or token ids"]
+    prompts.write_text("5,6,7\n\n  \nhello there\n")       # blank lines count as lines
+    rc, _, err = run_main(capsys, "--prompt-file", str(prompts))
+    assert rc == 2 and err[0].startswith(f"error: {prompts} line 4 is text")
     missing = tmp_path / "absent.txt"
     rc, _, err = run_main(capsys, "--prompt-file", str(missing))
     assert rc == 2 and err == [f"error: --prompt-file {missing}: no such file"]
