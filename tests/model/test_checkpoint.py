@@ -101,7 +101,21 @@ def test_round_trip_gives_the_seeded_model(cfg, ref_state, tmp_path, naming, sha
     assert ("model.embed_tokens.weight" in names) == (naming == "hf")
     assert ("embed.weight" in names) == (naming == "reference")
     assert (path / "model.safetensors.index.json").exists() == (shards > 1)
+    if shards > 1:
+        assert_hugging_face_index(path)
     assert_same_state(load_model(path), ref_state)
+
+
+def assert_hugging_face_index(path: Path) -> None:
+    """The index of a sharded save has the layout Hugging Face tools read: each tensor's shard
+    under "weight_map" and the tensors' byte count under "metadata"."""
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    assert set(index) == {"metadata", "weight_map"}
+    shards = {f.name: load_file(f) for f in sorted(path.glob("*.safetensors"))}
+    assert index["weight_map"] == {name: shard for shard, held in shards.items() for name in held}
+    assert index["metadata"] == {"total_size": sum(t.numel() * t.element_size()
+                                                   for held in shards.values()
+                                                   for t in held.values())}
 
 
 def test_round_trip_detects_another_seed(cfg, ref_state, tmp_path):
@@ -252,12 +266,20 @@ def test_malformed_quantized_tensors_are_named(cfg, tmp_path):
 
 
 def test_a_tensor_stored_under_both_namings_is_an_error(cfg, tmp_path):
+    """The duplicate is reported and the check goes on: a tensor read after it (norm.weight sorts
+    after model.embed_tokens.weight) is still checked, so its wrong shape is named too and it is
+    not mistaken for a missing tensor."""
     path = save_random_checkpoint(cfg, tmp_path, SEED)
     tensors = stored_tensors(path)
     tensors["model.embed_tokens.weight"] = tensors["embed.weight"].clone()
+    tensors["norm.weight"] = tensors["norm.weight"][:-1].clone()
     rewrite(path, tensors)
-    with pytest.raises(CheckpointError, match="embed.weight: stored twice, as "):
+    with pytest.raises(CheckpointError, match="embed.weight: stored twice, as ") as err:
         load_model(path)
+    assert err.value.missing == [] and err.value.unexpected == []
+    assert err.value.mismatched == [
+        "embed.weight: stored twice, as embed.weight and model.embed_tokens.weight",
+        f"norm.weight: expected shape [{cfg.dim}], got [{cfg.dim - 1}]"]
 
 
 def test_mtp_tensors_are_skipped_with_a_notice(cfg, ref_state, tmp_path, caplog):
