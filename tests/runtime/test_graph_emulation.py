@@ -9,6 +9,7 @@ import torch
 import hip_kernels.capture
 from dsv4.graphs import currently_capturing, emulation
 from dsv4.graphs.emulation import EmulatedGraph, GraphCaptureError, graph
+from op_recorder import op_names
 
 
 def capture(fn):
@@ -83,6 +84,23 @@ def test_multi_output_and_out_ops_replay():
     expected = x.topk(3)
     assert torch.equal(values, expected.values) and torch.equal(indices, expected.indices)
     assert torch.equal(out, x * 2)
+
+
+def test_an_op_with_a_matching_out_overload_replays_as_one_launch_into_its_static_output():
+    """Replay writes an allocating op's result straight into the captured tensor through the
+    out= overload taking the same arguments (names and types): one launch per op, no second
+    allocation and no copy, as a kernel writes graph memory. add's Tensor and Scalar overloads
+    each find their own (add.out, add.Scalar_out)."""
+    x, y = torch.randn(4), torch.randn(4)
+    g, (added, added_scalar, squared) = capture(lambda: (
+        torch.add(x, y), torch.ops.aten.add.Scalar(x, 1.5), torch.pow(x, 2)))
+    assert [str(op.out_func) for op in g.ops] == [
+        "aten.add.out", "aten.add.Scalar_out", "aten.pow.Tensor_Scalar_out"]
+    x.copy_(torch.randn(4))
+    y.copy_(torch.randn(4))
+    assert op_names(g.replay) == ["aten::add", "aten::add", "aten::pow"]
+    assert torch.equal(added, x + y) and torch.equal(added_scalar, x + 1.5)
+    assert torch.equal(squared, x * x)
 
 
 def test_python_state_is_frozen_at_capture():
@@ -160,8 +178,8 @@ HOST_SYNCS = {
     "int()": (lambda: int(x_i[1]), "item"),
     "bool()": (lambda: bool(x_f[0] > 0), "bool"),
     "if tensor": (lambda: 1 if (x_f > 0).any() else 0, "_local_scalar_dense"),
-    "tolist": (lambda: x_i.tolist(), "tolist"),
-    "numpy": (lambda: x_f.numpy(), "numpy"),
+    "tolist": (lambda: x_i.tolist(), r"Tensor\.tolist\(\) copies tensor data to the host"),
+    "numpy": (lambda: x_f.numpy(), r"Tensor\.numpy\(\) reads tensor data on the host"),
     "nonzero": (lambda: x_i.nonzero(), "nonzero"),
     "where(cond)": (lambda: torch.where(x_i > 0), "nonzero"),
     "bool-mask index": (lambda: x_f[x_f > 0], "boolean-mask indexing"),
