@@ -4,6 +4,7 @@ padded rows on the dummy slot."""
 
 import dataclasses
 import functools
+import re
 
 import pytest
 import torch
@@ -270,8 +271,13 @@ def test_replay_rejects_a_malformed_batch():
         runner.replay({k: v for k, v in batch.items() if k != "seq_lens"}, OPTIONS)
     with pytest.raises(KeyError, match="unexpected \\['extra'\\]"):
         runner.replay({**batch, "extra": batch["seq_lens"]}, OPTIONS)
-    with pytest.raises(ValueError, match="'positions' has shape \\(3,\\)"):
+    with pytest.raises(ValueError, match=re.escape(
+            "batch input 'positions' has shape (3,); expected (2, *())")):
         runner.replay({**batch, "positions": torch.zeros(3, dtype=torch.long)}, OPTIONS)
+    # the first input fixes the row count; before it, the expected shape says "n rows"
+    with pytest.raises(ValueError, match=re.escape(
+            "batch input 'input_ids' has shape (2, 1); expected (n, *())")):
+        runner.replay({**batch, "input_ids": batch["input_ids"][:, None]}, OPTIONS)
     with pytest.raises(ValueError, match="unknown inputs \\['lens'\\]"):
         make_runner(ToyPool("cpu"), pad_values={"lens": 1})
 
