@@ -85,6 +85,29 @@ def test_inconsistent_config_names_the_field(change, field):
         ModelConfig.from_dict(d)
 
 
+COUNTS = ("vocab_size", "dim", "n_layers", "n_heads", "q_lora_rank", "o_groups", "o_lora_rank",
+          "window_size", "index_n_heads", "index_topk", "hc_mult", "hc_sinkhorn_iters",
+          "n_routed_experts", "n_activated_experts", "moe_inter_dim")
+
+
+@pytest.mark.parametrize("field", COUNTS)
+def test_every_count_takes_one_and_refuses_zero(field):
+    """1 is a legal count (one group, one expert routed, one Sinkhorn iteration, ...); 0 and
+    non-integers are refused naming the field."""
+    d = ModelConfig.preset("tiny").to_dict()
+    one = {**d, field: 1}
+    if field == "n_layers":
+        one.update(compress_ratios=d["compress_ratios"][:1], n_hash_layers=0)
+    if field == "n_routed_experts":
+        one.update(n_activated_experts=1)
+    if field == "n_heads":
+        one.update(o_groups=1)
+    assert getattr(ModelConfig.from_dict(one), field) == 1
+    for bad in (0, 2.0):
+        with pytest.raises(ValueError, match=rf"ModelConfig\.{field}: must be a positive integer"):
+            ModelConfig.from_dict({**one, field: bad})
+
+
 def test_conflicting_aliases_and_bad_kv_heads_raise():
     d = ModelConfig.preset("tiny").to_dict()
     with pytest.raises(ValueError, match="dim"):
