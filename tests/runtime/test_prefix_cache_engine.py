@@ -115,6 +115,11 @@ def test_a_batch_mixing_hits_and_misses(model, without_cache, flag_env):
         assert got.tokens[i] == want.tokens[0]
         assert (got.logits[i] - want.logits[0]).abs().max() <= LOGIT_ATOL
     assert e.stats.prefix_hit_tokens == 256
+    # the cache's own counters: one lookup per request (3), each of its prompt but the last
+    # token (a prompt is never taken whole from the cache)
+    s = cache.stats
+    assert (s.lookups, s.lookup_tokens, s.hit_tokens) == (3, 399 + 309 + 199, 256)
+    assert s.hit_rate == 256 / 907
     assert_nothing_held(e)
 
 
