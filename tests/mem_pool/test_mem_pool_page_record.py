@@ -96,3 +96,6 @@ def test_bad_splits_and_joins_raise():
         join_page_records([records[0], short])
     with pytest.raises(ValueError, match="not a page record entry"):
         join_page_records([{**records[0], "kv/swa/0/other": torch.zeros(1)}])
+    # a state table name becomes a path segment of the record's entry names
+    with pytest.raises(ValueError, match=r"state table name 'c4/ring' must not contain '/'"):
+        with_boundary_state(records[0], {"c4/ring": {0: torch.zeros(2)}})
