@@ -120,10 +120,14 @@ def test_short_prefetch_keeps_only_arrived_pages_and_releases_the_rest():
 
 def test_bad_inputs_raise():
     plan = plan_prefix_commit([T] * 3, [T] * 3, 4, 10)
-    with pytest.raises(ValueError, match="did not load"):
+    with pytest.raises(ValueError, match=r"^arrived_full holds pages \[3\] the plan did not load"):
         release_short_prefetch(plan, [0, 3], [])
-    with pytest.raises(ValueError, match="did not load"):
+    with pytest.raises(ValueError, match=r"^arrived_swa holds pages \[6\] the plan did not load"):
         release_short_prefetch(commit_plan(24, 4, 8), [], [6])
+    with pytest.raises(ValueError, match=r"^page_size must be a positive int, got 0"):
+        CommitPlan(0, (), (), 0, 10)
+    with pytest.raises(ValueError, match=r"^window must be a positive int, got 0"):
+        CommitPlan(0, (), (), 4, 0)
 
 
 def test_a_short_window_falls_back_to_an_earlier_window_that_arrived():
