@@ -167,6 +167,8 @@ def test_free_swa_out_of_window_evicts_whole_pages_behind_the_window():
     assert mapped.tolist() == [False] * 8 + [True] * 6
     with pytest.raises(ValueError, match="req_full_loc must be page-aligned by position"):
         al.free_swa_out_of_window(locs[1:], 14, 1)
+    with pytest.raises(TypeError, match="^req_full_loc must have dtype torch.int32 or"):
+        al.free_swa_out_of_window(locs.float(), 14, 5)
     # an allocation cannot continue a page whose SWA page is gone
     al.free_swa(al.full_attn_allocator.page_locations(locs[13:] // P))
     with pytest.raises(ValueError, match="on a page whose SWA page was freed"):

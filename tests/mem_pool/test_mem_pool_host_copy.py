@@ -129,6 +129,10 @@ def test_bad_loads_raise_naming_the_argument():
     other, _ = small_pool((0, 0), full_tokens=16 * 16, swa_tokens=16 * 16, page_size=16)
     with pytest.raises(ValueError, match="the copy holds caches"):
         other.load_cpu_copy(without_state, dst)
+    swapped, swapped_al = small_pool((4, 0), full_tokens=16 * 16, swa_tokens=16 * 16,
+                                     page_size=16)
+    with pytest.raises(ValueError, match=r"the copy's c4 layers \[1\] are not this pool's \[0\]"):
+        swapped.load_cpu_copy(without_state, swapped_al.alloc(16))
 
 
 def test_loading_a_copy_with_state_says_it_needs_a_request_slot():
