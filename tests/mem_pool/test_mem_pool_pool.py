@@ -107,8 +107,13 @@ def test_clear_compressor_state_resets_only_those_request_slots():
         half = s.shape[-1] // 2
         assert (s[1:3, :, :half] == 0).all() and (s[1:3, :, half:] == float("-inf")).all()
         assert (s[0] == 5.0).all() and (s[3] == 5.0).all()
+    pool.clear_compressor_state([0])               # the first slot is a slot like the others
+    for s in states:
+        assert (s[0, :, :half] == 0).all() and (s[3] == 5.0).all()
     with pytest.raises(IndexError, match="req_pool_indices holds 3; valid request slots are 0..2"):
         pool.clear_compressor_state([3])
+    with pytest.raises(IndexError, match="req_pool_indices holds -1; valid request slots are 0..2"):
+        pool.clear_compressor_state([-1])
     with pytest.raises(TypeError, match="req_pool_indices must have dtype"):
         pool.clear_compressor_state([1.0])
 
