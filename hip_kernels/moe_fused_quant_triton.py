@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .moe_fused_triton import next_pair, weighted_swiglu
+from .moe_fused_triton import next_pair, pair_of, weighted_swiglu
 from .platform import DIALECTS, FNUZ, OCP
 from .quant_linear_triton import LAUNCH_OPTIONS, fp4_k128, fp8_k128
 from .triton_kv_row import fp8_type
@@ -79,14 +79,7 @@ def quant_gate_up_kernel(x_ptr, indices_ptr, weights_ptr, w1_ptr, w3_ptr, s1_ptr
     p = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < INTER
-    if ROUTED:
-        token = p // K
-        expert = tl.load(indices_ptr + p)
-        weight = tl.load(weights_ptr + p)
-    else:
-        token = p
-        expert = 0
-        weight = 1.0
+    token, expert, weight = pair_of(p, indices_ptr, weights_ptr, K, ROUTED)
     g = _times_weight(x_ptr + token * D, w1_ptr, s1_ptr, expert, n, n_ok, D, INTER, FP4, FP8,
                       HALVES, SCALE_E8M0, BLOCK_N, EXACT_DOT)
     u = _times_weight(x_ptr + token * D, w3_ptr, s3_ptr, expert, n, n_ok, D, INTER, FP4, FP8,

@@ -105,6 +105,17 @@ def weighted_swiglu(g, u, weight, limit, OUT: tl.constexpr):
 
 
 @triton.jit
+def pair_of(p, indices_ptr, weights_ptr, K: tl.constexpr, ROUTED: tl.constexpr):
+    """(token row, expert, routing weight) of gate/up program p: with ROUTED the pair p of
+    token p // K, else row p of the shared expert (expert 0, weight 1)."""
+    if ROUTED:
+        token, expert, weight = p // K, tl.load(indices_ptr + p), tl.load(weights_ptr + p)
+    else:
+        token, expert, weight = p, 0, 1.0
+    return token, expert, weight
+
+
+@triton.jit
 def next_pair(indices_ptr, t, last, E, K: tl.constexpr):
     """Token t's smallest (expert, slot) key (expert * K + slot) above `last`: its pairs one by
     one in the reference's index_add order."""
@@ -123,14 +134,7 @@ def gate_up_kernel(x_ptr, indices_ptr, weights_ptr, w1_ptr, w3_ptr, h_ptr, D, IN
     p = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < INTER
-    if ROUTED:
-        token = p // K
-        expert = tl.load(indices_ptr + p)
-        weight = tl.load(weights_ptr + p)
-    else:
-        token = p
-        expert = 0
-        weight = 1.0
+    token, expert, weight = pair_of(p, indices_ptr, weights_ptr, K, ROUTED)
     dd = tl.arange(0, BLOCK_K)
     base = expert * INTER * D + n[:, None].to(tl.int64) * D
     g = tl.zeros([BLOCK_N], dtype=tl.float32)
