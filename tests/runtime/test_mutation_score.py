@@ -87,3 +87,21 @@ def test_samples_are_the_same_whichever_packages_are_chosen():
     assert len(alone) == 5 and set(alone) < set(together)
     assert ms.draw_sample(names, ["mem_pool"], 5, seed=3) != alone
     assert len(ms.draw_sample(names, ["dsv4"], 0, seed=2)) == 20
+
+
+def test_the_clean_run_is_kept_unless_skipped():
+    assert ms.parse_args([]).skip_clean_run is False
+    assert ms.parse_args(["--skip-clean-run"]).skip_clean_run is True
+
+
+def test_skipping_the_clean_run_reports_it_passed_without_running_a_test(monkeypatch):
+    pytest.importorskip("mutmut")
+    from mutmut.workers import isolation
+
+    runners = (isolation.MutantRunner, isolation.ForkServerRunner, isolation.ForkRunner)
+    for runner in runners:  # restored after the test
+        monkeypatch.setattr(runner, "run_clean_tests", runner.run_clean_tests)
+    ms.skip_clean_run()
+    for runner in runners:
+        # self is never touched: no child process, no pytest
+        assert runner.run_clean_tests(None, ["tests/x.py::test_fails"]) == 0
