@@ -151,6 +151,28 @@ def test_swa_writers_store_what_the_kernels_store_at_the_translated_slots():
         assert pool.get_swa_cache(1).any() and not pool.get_swa_cache(0).any(), name
 
 
+def test_the_norm_rope_writer_stores_with_the_numerics_it_is_given():
+    """A host engine's numerics reach the kernel: the bytes are the op's with those numerics,
+    and they differ from the default numerics' (an fp8 clamp of 224 changes every scale)."""
+    pool, al = small_pool((0,), full_tokens=64, swa_tokens=64, page_size=16)
+    swa_loc = pool.get_cached_swa_loc(al.alloc(16)[:4], 0)
+    rows, weight = _rows(4, seed=1), torch.rand(512) + 0.5
+    freqs = torch.polar(torch.ones(8, 32), torch.rand(8, 32))
+    positions = torch.arange(4)
+    numerics = hip_kernels.StoreNumerics(fp8_max=224.0, round_to_bf16=False)
+
+    def direct(n):
+        cache = torch.zeros_like(pool.get_swa_cache(0))
+        hip_kernels.fused_k_norm_rope_store(rows, weight, 1e-6, freqs, positions, swa_loc, cache,
+                                            16, numerics=n)
+        return cache
+
+    pool.set_swa_key_buffer_radix_fused_norm_rope(0, swa_loc, rows, weight, 1e-6, freqs,
+                                                  positions, numerics=numerics)
+    assert torch.equal(pool.get_swa_cache(0), direct(numerics))
+    assert not torch.equal(pool.get_swa_cache(0), direct(hip_kernels.DEFAULT_NUMERICS))
+
+
 def test_bad_writes_raise_before_any_cache_byte_changes():
     pool, al = small_pool((0,), full_tokens=64, swa_tokens=32, page_size=16)
     rows = _rows(2)
