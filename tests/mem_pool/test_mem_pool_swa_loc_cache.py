@@ -227,6 +227,17 @@ def test_inference_mode_location_tensors_are_translated_every_call(pa, caplog):
     assert pool.swa_loc_stats.translations == LAYERS + 1
 
 
+def test_the_inference_mode_warning_is_logged_once_per_cache(pa, caplog):
+    """Every layer of every step translates an unversioned tensor: the log says so once."""
+    pool, al = pa
+    with torch.inference_mode():
+        frozen = al.alloc(P).clone()
+        forward(pool, frozen)
+        forward(pool, frozen.clone())
+    warnings = [r for r in caplog.records if "inference_mode" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].levelname == "WARNING"
+
+
 def test_graph_capture_never_reuses_a_warm_up_entry_and_never_syncs(pa, monkeypatch):
     pool, al = pa
     loc = al.alloc(P)
