@@ -53,6 +53,21 @@ def test_values_are_read_once_and_cached(flag_env, monkeypatch):
     assert denvs.MULTI_STREAM_PREPARE.get() is False
 
 
+def test_a_choice_flag_declared_with_a_list_reads_and_names_its_choices(flag_env, monkeypatch):
+    """declare() runs here, not at import: a choice flag given its choices as a list parses a
+    value in any case, rejects another naming the choices, and shows them in the docs table."""
+    from hip_kernels import flags
+
+    monkeypatch.setattr(flags, "_REGISTRY", dict(flags._REGISTRY))
+    flag = flags.choice_flag("DSV4_TEST_PICK", ["left", "right"], "left", "a test flag", "dsv4")
+    flag_env(DSV4_TEST_PICK="RIGHT")
+    assert flag.get() == "right"
+    flag_env(DSV4_TEST_PICK="up")
+    with pytest.raises(FlagError, match=r"DSV4_TEST_PICK='up': expected one of left\|right"):
+        flag.get()
+    assert "| left \\| right | `left` |" in flags.markdown_table([flag])
+
+
 def test_flag_names_need_prefix():
     with pytest.raises(ValueError, match="DSV4_"):
         declare("GRAPH", "bool", True, "x", "dsv4")
