@@ -135,6 +135,23 @@ def test_triton_projection_matches_the_reference():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_triton_projection_is_fp32_under_a_bf16_default_dtype():
+    """A caller that sets torch's default dtype to bf16 (as the reference inference code does)
+    still gets the fp32 rows the op documents, equal to the torch reference's."""
+    n, dim, width, ratio = 3, 64, 32, 4
+    x, wkv, wgate, ape, *_ = tensors(n, dim, width, ratio, 2, 2, 2, 2, seed=4)
+    pos = torch.arange(n, device=DEV)
+    want = compressor_project(x, wkv, wgate, ape, pos, ratio, options=TORCH)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        got = compressor_project(x, wkv, wgate, ape, pos, ratio, options=TRITON)
+    finally:
+        torch.set_default_dtype(default)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_bad_arguments_raise_naming_them():
     d, ratio = 64, 4
     x, wkv, wgate, ape, state, table, w = tensors(2, 64, 2 * d, ratio, 24, 32, 16, d, seed=1)
