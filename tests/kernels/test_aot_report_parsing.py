@@ -266,6 +266,19 @@ def test_triton_variants_that_claim_the_models_shapes_have_them(arch):
     assert variants["indexer_topk (k 1024)"][2]["K"] == pro.index_topk
 
 
+def test_triton_report_names_every_compressor_row_for_the_compressor():
+    """A reader finds the compressor's rows of the report with `grep compressor`: every variant
+    of a compressor_update_triton kernel is named so, and every such kernel has one."""
+    from hip_kernels import compressor_update_triton as C
+
+    variants = triton_aot._variants(dialect_for_arch("gfx942"))
+    rows = {name: kernel for name, (kernel, *_) in variants.items()
+            if kernel.fn.__module__ == C.__name__}
+    assert all("compressor" in name for name in rows), sorted(rows)
+    assert {k.fn.__name__ for k in rows.values()} == {
+        n for n in dir(C) if n.endswith("_kernel")}
+
+
 @pytest.mark.parametrize("compilers", [("c++", "g++"), ("g++",)])
 def test_binding_check_runs_the_host_compiler_syntax_only_against_csrc(monkeypatch, compilers):
     """The torch binding is checked with the host C++ compiler found on PATH (c++, else g++),
