@@ -2,10 +2,10 @@
 pages instead of prefilling them, and its logits are those of a run without the cache, for
 prefixes shorter than a window, ending at a page boundary, ending inside the window and longer
 than the window plus a page; short prefetches (a page's SWA rows missing, a corrupt file) fall
-back to an earlier commit point; nothing leaks; the flag and the CLI."""
+back to an earlier commit point; nothing leaks; the flag (the CLI's --prefix-cache --repeat:
+tests/runtime/test_runtime_cli.py)."""
 
 import dataclasses
-import json
 import logging
 
 import pytest
@@ -221,16 +221,3 @@ def test_the_flag_builds_a_cache_and_a_mismatched_cache_is_refused(model, monkey
     assert engine(model, None).prefix_cache is None              # off by default
     with pytest.raises(ValueError, match="prefix_cache holds pages of 256 tokens"):
         engine(model, PrefixCache(256, WINDOW, host_capacity_pages=4))
-
-
-def test_cli_repeat_reports_each_pass(tmp_path):
-    from test_runtime_cli import finish, cli
-
-    out, _ = finish(cli("generate", "--prefix-cache", "--repeat", "2", "--json", "--quiet",
-                        "--batch", "2", "--prompt-len", "300", "--max-new-tokens", "3"))
-    report = json.loads(out.strip().splitlines()[-1])
-    first, second = report["passes"]
-    assert report["prefix_cache"] is True
-    assert first["prefix_hit_rate"] == 0 and second["prefix_hit_rate"] == round(512 / 600, 4)
-    assert first["tokens"] == second["tokens"] == report["tokens"]
-    assert first["prefill_ms"] > 0 and second["prefill_ms"] > 0

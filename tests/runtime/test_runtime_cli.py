@@ -303,8 +303,9 @@ def test_every_generate_option_says_its_default():
     from dsv4.cli import build_parser
 
     generate = build_parser()._subparsers._group_actions[0].choices["generate"]
-    for action in generate._actions:
-        if action.option_strings and action.default not in (None, False, argparse.SUPPRESS):
+    for action in generate._actions:   # `is`: a default of 0 (--top-k, --seed) == False
+        if action.option_strings and not any(action.default is none
+                                             for none in (None, False, argparse.SUPPRESS)):
             assert action.help and "default" in action.help, action.option_strings
     assert "(default 16)" in generate.format_help()
 
@@ -358,3 +359,56 @@ def test_prompt_file_errors_name_the_file_and_the_line(tmp_path, capsys, flag_en
     missing = tmp_path / "absent.txt"
     rc, _, err = run_main(capsys, "--prompt-file", str(missing))
     assert rc == 2 and err == [f"error: --prompt-file {missing}: no such file"]
+
+
+def test_a_second_pass_reuses_the_cached_prefix(generate):
+    """--prefix-cache --repeat 2: the first pass finds nothing, the second reuses the whole
+    256-token page of each prompt (not the partial last page) and generates the same tokens."""
+    _, r, _ = generate("--prefix-cache", "--repeat", "2", "--batch", "2", "--prompt-len", "257",
+                       "--max-new-tokens", "2", "--no-graph")
+    first, second = r["passes"]
+    assert r["prefix_cache"] is True
+    assert (first["prefix_hit_tokens"], first["prompt_tokens"]) == (0, 514)
+    assert (second["prefix_hit_tokens"], second["prompt_tokens"]) == (512, 514)
+    assert second["prefix_hit_rate"] == round(512 / 514, 4)
+    assert first["tokens"] == second["tokens"] == r["tokens"]
+    assert first["prefill_ms"] > 0 and second["prefill_ms"] > 0
+
+
+GLOO_CLOSED = "[gloo] Connection closed by peer [10.0.0.2]:29500 "
+
+
+@pytest.mark.parametrize("raised, shown", [
+    (RuntimeError(GLOO_CLOSED + "x" * 200 + "\nException raised from recvBytes"),
+     GLOO_CLOSED + "x" * (160 - len(GLOO_CLOSED))),                 # the first line's first 160
+    (torch.distributed.DistBackendError(), "DistBackendError"),     # no message: its type
+], ids=["long first line", "no message"])
+def test_a_stopped_peer_ends_a_rank_in_one_line_and_status_3(capsys, monkeypatch, flag_env,
+                                                              raised, shown):
+    """Under --tp, a collective failing because another rank stopped ends this rank with one
+    line naming its rank and the first line of the error, cut at 160 characters."""
+    from dsv4 import cli_generate
+
+    def peer_stops(args):
+        raise raised
+
+    flag_env()
+    monkeypatch.setattr(cli_generate, "run", peer_stops)
+    monkeypatch.setenv("RANK", "1")
+    rc, out, err = run_main(capsys)
+    assert rc == 3 and out == "" and len(err) == 1, err
+    assert err[0].startswith("error: rank 1: another tensor-parallel rank stopped"), err
+    assert err[0].endswith(f"({shown})"), err
+
+
+def test_an_error_that_is_not_a_stopped_peer_keeps_its_traceback(monkeypatch, flag_env):
+    from dsv4 import cli_generate
+    from dsv4.cli import main
+
+    def fails(args):
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+    flag_env()
+    monkeypatch.setattr(cli_generate, "run", fails)
+    with pytest.raises(RuntimeError, match="mat1 and mat2"):
+        main(["generate", "--quiet"])
