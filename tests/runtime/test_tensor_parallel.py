@@ -132,6 +132,55 @@ def test_a_launch_and_a_split_are_checked_before_anything_runs():
         TensorSplit(0, 0)
 
 
+def test_a_torchrun_rank_on_a_cpu_joins_the_launchs_gloo_group(monkeypatch, flag_env):
+    """`generate --tp 2` under torchrun, on a CPU: the rank joins with torchrun's RANK and
+    WORLD_SIZE, on gloo, under the timeout that bounds every collective (the join is where
+    this test stops the run)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from dsv4.cli import main
+    from dsv4.parallel.group import DEFAULT_TIMEOUT_S
+
+    class Joined(Exception):
+        pass
+
+    joins = []
+
+    def init_process_group(backend, **kwargs):
+        joins.append((backend, kwargs))
+        raise Joined
+
+    flag_env()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    for name, value in (("RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "1")):
+        monkeypatch.setenv(name, value)
+    with pytest.raises(Joined):
+        main(["generate", "--quiet", "--preset", "tiny", "--tp", "2", "--batch", "1",
+              "--prompt-len", "2", "--max-new-tokens", "2"])
+    assert joins == [("gloo", {"rank": 1, "world_size": 2,
+                               "timeout": datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)})]
+
+
+def test_what_counts_as_a_stopped_peer():
+    """A collective's error that means another rank stopped (gloo's closed connection, a
+    timeout, NCCL's or RCCL's error) and not any other error."""
+    import torch.distributed as dist
+
+    from dsv4.parallel import is_peer_failure
+
+    for text in ("[gloo] Connection closed by peer [10.0.0.2]:29500",
+                 "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection reset by peer",
+                 "Timed out waiting 60000ms for recv operation to complete",
+                 "NCCL error in: ProcessGroupNCCL.cpp:1970, remote process exited or there was "
+                 "a network error"):
+        assert is_peer_failure(RuntimeError(text)), text
+    assert is_peer_failure(dist.DistBackendError("watchdog caught collective operation timeout"))
+    assert not is_peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not is_peer_failure(ValueError("NCCL"))      # a user error, not a collective's
+
 def test_a_split_that_does_not_divide_names_tp_and_the_shape():
     tiny = tp_worker.TINY
     assert split_problem(tiny, 2, native=False) is None
