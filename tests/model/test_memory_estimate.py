@@ -84,3 +84,16 @@ def test_the_estimate_line_a_user_reads():
         "this run needs about 3.8 GiB (3.0 GiB of weights, 0.50 GiB of KV cache, 0.25 GiB for the "
         "prefill step) but cpu has 3.7 GiB; use a smaller model, shorter or fewer prompts, or pass "
         "--force")
+
+
+def test_the_kv_estimate_holds_whole_pages_for_each_requests_context():
+    """Each request's context is rounded up to whole 256-token pages of the pool: one token
+    costs a page, 257 tokens a second page for each request, both in the full and the SWA pool."""
+    from mem_pool.kv_cache_spec import KVCacheSpec, footprint
+
+    tiny = ModelConfig.preset("tiny")
+    pages = footprint(KVCacheSpec(compress_ratios=tiny.compress_ratios[:tiny.n_layers],
+                                  window_size=tiny.window_size), 256)
+    kv = {n: estimate(tiny, 3, n).kv_bytes for n in (1, 256, 257, 512)}
+    assert kv[1] == kv[256] > 0 and kv[257] == kv[512]
+    assert kv[257] - kv[256] == 3 * (pages.full_page_bytes + pages.swa_page_bytes)
