@@ -156,14 +156,19 @@ def test_fused_norm_rope_writes_kv_and_ropes_q(pool, flag_env, dialect, fp8, fp8
     assert torch.equal(q[..., 448:], torch.stack([re, im], -1).flatten(-2).to(torch.bfloat16))
 
 
-def test_other_pool_kinds_keep_sglangs_setters(pool, caplog):
-    pool.uniform_fp8 = True
+@pytest.mark.parametrize("attribute, value, reason", [
+    ("uniform_fp8", True, "it keeps uniform FP8 pages"),
+    ("_unified_kv", True, "unified KV layout"),
+], ids=["uniform fp8", "unified kv"])
+def test_other_pool_kinds_keep_sglangs_setters(pool, caplog, attribute, value, reason):
+    """The log line a user reads says which kind of pool keeps SGLang's setters."""
+    setattr(pool, attribute, value)
     rows = rows_with_edge_tiles(2, seed=2)
     with caplog.at_level(logging.WARNING, logger="dsv4"):
         with pytest.raises(Exception):  # SGLang's own setter needs its GPU kernel
             pool.set_swa_key_buffer_radix_fused(1, torch.tensor([256, 257]), rows)
     assert not pool.get_swa_raw_buffer(1).any()
-    assert "keeps SGLang's own SWA setters: it keeps uniform FP8 pages" in caplog.text
+    assert "keeps SGLang's own SWA setters" in caplog.text and reason in caplog.text
 
 
 def test_different_signatures_patch_nothing(monkeypatch, caplog):

@@ -8,6 +8,7 @@ vLLM is absent. The other tests call the hook on a stand-in that has the attribu
 has (named as such)."""
 
 import importlib.util
+import logging
 import subprocess
 import sys
 import textwrap
@@ -134,6 +135,34 @@ def test_status_names_what_would_be_replaced():
         assert plugin.status() == ("vllm 0.33.0: would replace "
                                    "DeepseekV4Attention._fused_qnorm_rope_kv_insert -> "
                                    "fused_k_norm_rope_store on torch")
+
+
+def test_the_flag_off_is_said_and_nothing_is_looked_at(flag_env, monkeypatch, caplog):
+    """In this process: DSV4_VLLM_PLUGIN=0 logs that the plugin is off, naming the flag as a
+    user sets it, before anything of vLLM is inspected."""
+    flag_env(DSV4_VLLM_PLUGIN="0")
+    monkeypatch.setattr(plugin, "_problem", lambda: pytest.fail("vLLM was inspected"))
+    with caplog.at_level(logging.INFO, logger="dsv4"):
+        plugin.register()
+    assert [r.levelno for r in caplog.records] == [logging.INFO]
+    assert "vLLM plugin off" in caplog.text and "DSV4_VLLM_PLUGIN=0" in caplog.text
+
+
+def test_a_failing_registration_is_logged_not_raised(flag_env, monkeypatch, caplog):
+    """vLLM does not catch a plugin's exception: register() logs it with its traceback and says
+    that vLLM's own insert stays (here the failure comes before anything is replaced)."""
+    flag_env()
+
+    def fails():
+        raise RuntimeError("the signature check broke")
+
+    monkeypatch.setattr(plugin, "_problem", fails)
+    with caplog.at_level(logging.INFO, logger="dsv4"):
+        plugin.register()
+    (record,) = caplog.records
+    assert record.levelno == logging.ERROR and "the signature check broke" in caplog.text
+    assert "vLLM plugin failed" in record.getMessage()
+    assert "vLLM's own KV insert stays" in record.getMessage()
 
 
 LOADER_CASES = [({}, True), ({"VLLM_PLUGINS": "other"}, False), ({"DSV4_VLLM_PLUGIN": "0"}, False)]
