@@ -25,6 +25,7 @@ pytest.importorskip("triton")
 from hip_kernels import (KernelOptions, act_quant, fp4_grouped_linear,  # noqa: E402
                          fp8_grouped_linear, fp8_linear, ocp_to_fnuz)
 from hip_kernels import quant_linear_ref as R  # noqa: E402
+from hip_kernels.capture import set_emulated_capture  # noqa: E402
 from hip_kernels.library import ops  # noqa: E402
 from hip_kernels.platform import FNUZ, OCP  # noqa: E402
 from op_recorder import op_names, recorded_calls  # noqa: E402
@@ -130,14 +131,20 @@ def test_fp4_gemm_ref_is_the_formula():
     assert torch.equal(R.fp4_gemm_ref(qa, sa, packed, sb), want.to(torch.bfloat16))
 
 
+def reference_kernel_shims():
+    """scripts/reference_oracle's stand-ins for the reference's TileLang kernels."""
+    sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
+    try:
+        from reference_oracle import kernel_shims
+    finally:
+        sys.path.pop(0)
+    return kernel_shims
+
+
 def test_references_equal_the_reference_oracles_kernel_stand_ins():
     """scripts/reference_oracle's stand-ins for the reference's TileLang act_quant, fp8_gemm and
     fp4_gemm (written apart, from the same kernels) give the same bytes."""
-    sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
-    try:
-        from reference_oracle import kernel_shims as K
-    finally:
-        sys.path.pop(0)
+    K = reference_kernel_shims()
     g = gen(13)
     x = rows(g, 5, 512)
     for fmt in ("ue8m0", None):
@@ -150,6 +157,34 @@ def test_references_equal_the_reference_oracles_kernel_stand_ins():
     packed, sb = fp4_weight(g, 300, 256), e8m0(g, 300, 16)
     assert same(R.fp4_gemm_ref(q, s, packed, sb),
                 K.fp4_gemm(q, s, packed.view(torch.float4_e2m1fn_x2), sb).bfloat16())
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # Triton interpreter
+@pytest.mark.parametrize("case", ["partial_times_sa_overflows", "sa_times_sb_is_subnormal"])
+def test_fp4_scales_multiply_left_to_right_as_the_reference(case):
+    """fp4_gemm scales a 32-block's partial as (partial * sa) * sb in fp32, not
+    partial * (sa * sb). With power-of-two weight scales the two differ only at the ends of
+    fp32's range, and there the op gives the reference's bits too: rows near bf16's max, whose
+    partial * sa overflows to inf though sb = 2^-20 would bring it back; plain (scale_fmt None)
+    activation scales with weight scales of 2^-127..2^-125, whose product is an fp32
+    subnormal that keeps only part of sa's bits."""
+    K = reference_kernel_shims()
+    g = gen(15)
+    packed = fp4_weight(g, 1, 32, 64)
+    if case == "partial_times_sa_overflows":    # positive weights: every partial has x's sign
+        fmt, x = "ue8m0", torch.tensor([[3.0e38], [-3.0e38]]).expand(2, 128)
+        sb, packed = torch.full((1, 32, 4), 107, dtype=torch.uint8), packed & 0x77
+    else:
+        fmt, x = None, torch.randn(64, 128, generator=g)
+        sb = torch.randint(0, 3, (1, 32, 4), generator=g, dtype=torch.uint8)
+    x, sb = x.bfloat16().contiguous(), sb.view(torch.float8_e8m0fnu)
+    q, s = act_quant(x, fmt)
+    want = K.fp4_gemm(q, s, packed[0].view(torch.float4_e2m1fn_x2), sb[0]).bfloat16()
+    assert (want.isinf().all() if case == "partial_times_sa_overflows" else want.isfinite().all())
+    offs = torch.tensor([x.shape[0]], dtype=torch.int32)
+    for options in (TORCH, TRITON):
+        assert same(fp4_grouped_linear(x, packed, sb, offs, scale_fmt=fmt, options=options),
+                    want)
 
 
 # ---- fnuz ---------------------------------------------------------------------------------------
@@ -289,6 +324,28 @@ def test_offs_past_the_rows_never_leave_them_without_value_checks():
     got = fp4_grouped_linear(x.to(DEV), w.to(DEV), ws.to(DEV), offs.to(DEV), options=unchecked)
     want = fp4_grouped_linear(x, w, ws, torch.tensor([2, 5], dtype=torch.int32), options=TORCH)
     assert same(got.cpu(), want)
+
+
+@pytest.mark.parametrize("fp4", [False, True], ids=["fp8", "fp4"])
+def test_grouped_linear_in_capture_gives_each_row_its_groups_result(fp4):
+    """In a graph capture the torch path cannot read offs on the host: every expert's GEMM runs
+    over all rows and each row keeps its own group's result, as eager gives it. offs [3, 3, 8]
+    puts rows on group boundaries: row 3 opens expert 2's group after expert 1's empty one,
+    row 8 is past the last group (0)."""
+    g = gen(16)
+    x, offs = rows(g, 9, 128), torch.tensor([3, 3, 8], dtype=torch.int32)
+    if fp4:
+        op, w, ws = fp4_grouped_linear, fp4_weight(g, 3, 32, 64), e8m0(g, 3, 32, 4)
+    else:
+        op, w, ws = fp8_grouped_linear, fp8_weight(g, 3, 32, 128), e8m0(g, 3, 1, 1)
+    eager = op(x, w, ws, offs, options=TORCH)
+    set_emulated_capture(True)
+    try:
+        captured = op(x, w, ws, offs, options=TORCH)
+    finally:
+        set_emulated_capture(False)
+    assert same(captured, eager)
+    assert torch.equal(captured[8], torch.zeros_like(captured[8]))
 
 
 # ---- dispatcher, Meta, errors -------------------------------------------------------------
