@@ -25,6 +25,7 @@ pytest.importorskip("triton")
 from hip_kernels import (KernelOptions, act_quant, fp4_grouped_linear,  # noqa: E402
                          fp8_grouped_linear, fp8_linear, ocp_to_fnuz)
 from hip_kernels import quant_linear_ref as R  # noqa: E402
+from hip_kernels import quant_linear_triton as T  # noqa: E402
 from hip_kernels.capture import set_emulated_capture  # noqa: E402
 from hip_kernels.library import ops  # noqa: E402
 from hip_kernels.platform import FNUZ, OCP  # noqa: E402
@@ -392,6 +393,31 @@ def test_meta_tensors_give_the_output_shape():
     x, w, ws, offs = (t.to("meta") for t in args["fp4_grouped_linear"])
     out = ops.fp4_grouped_linear(x, w, ws, offs, True, "torch", "ocp")
     assert out.shape == (2, 64) and out.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("family", ["fp8_linear", "fp4_grouped_linear"])
+def test_triton_output_is_on_the_inputs_device(family, monkeypatch):
+    """On a CPU every tensor is on the CPU; "meta" stands in for a GPU here. The output the
+    wrapper hands to its kernel (launch recorded, not run) and returns is on x's device, and so
+    is an empty batch's (no launch)."""
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append(
+                [a for a in args if isinstance(a, torch.Tensor)])
+
+    monkeypatch.setattr(T, f"{family.split('_')[0]}_linear_kernel", Recorder())
+    x, w, ws, *offs = (t.to("meta") for t in small_args(gen(9))[family])
+    offs = offs[0] if offs else None
+    if offs is None:                                     # a dense linear is one group
+        w, ws = w[None], ws[None]
+    outs = [T.quant_linear_triton(r, w, ws, offs, True, family.startswith("fp4"), OCP)
+            for r in (x, x[:0])]
+    assert [(o.device, o.shape) for o in outs] == [(x.device, (2, 64)), (x.device, (0, 64))]
+    (args,) = launches                                   # the empty batch launches nothing
+    assert any(a is outs[0] for a in args)
+    assert all(a.device == x.device for a in args)
 
 
 def test_bad_arguments_are_named():
