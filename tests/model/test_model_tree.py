@@ -77,3 +77,16 @@ def test_tensor_families_per_layer_kind(flash_cut):
     assert flash_cut["layers.0.hc_attn_fn"].dtype == torch.float32
     assert flash_cut["layers.0.attn.wq_a.weight"].dtype == torch.bfloat16
     assert flash_cut["layers.0.ffn.gate.tid2eid"].dtype == torch.int64
+
+
+@pytest.mark.parametrize("weights", ["bf16", "native"])
+def test_every_tensor_is_built_on_the_device_asked_for(weights):
+    """A model built on a device holds every parameter and buffer there (the memory estimate and
+    the tensor-parallel shard plan build on meta, a run on its GPU): native adds the FP8
+    linears' and the FP4 experts' scales; a tensor left on the default device would be copied
+    each step or counted nowhere."""
+    model = DeepseekV4Model(ModelConfig.preset("small"), device="meta", weights=weights)
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    assert "hc_head_base" in dict(tensors) and "freqs_cis" in dict(tensors)
+    off = [name for name, t in tensors if t.device.type != "meta"]
+    assert off == [], off
