@@ -21,6 +21,9 @@ suspicious, score) over all the seeds' samples (a mutant drawn by two seeds coun
 row per package and seed, then the names of the surviving mutants; --diff prints each
 survivor's diff as well, and `mutmut show NAME` prints one later. --report-only prints the
 tables again for the given seeds, from the checks already done in ./mutants.
+After writing tests for the survivors, --recheck runs the same seeds again but checks only the
+mutants no test caught last time; the new tests are traced first (mutmut adds new tests to its
+stats without rerunning the suite).
   killed      a test failed with the mutant in place
   survived    every test that calls the function passed
   no tests    no test calls the function in the pytest process (e.g. GPU-only code, or code
@@ -126,6 +129,11 @@ def parse_args(argv):
                              "code (it checks they pass first; with a large sample it is most "
                              "of the suite, ~45 min on 2 cores). Only after a green run of the "
                              "same commit, e.g. the stats pass of the same ./mutants")
+    parser.add_argument("--recheck", action="store_true",
+                        help="check again only the sampled mutants no test caught last time "
+                             "(survived, no tests, suspicious, never checked), e.g. after adding "
+                             "tests; the caught ones keep their result (mutmut itself resets the "
+                             "mutants of a function whose code changed)")
     parser.add_argument("--diff", action="store_true", help="print each survivor's diff")
     parser.add_argument("--report-only", action="store_true",
                         help="run nothing; print the tables of these seeds' samples from "
@@ -300,13 +308,24 @@ def report_tables(samples, status):
     return lines
 
 
-def print_report(samples, show_diff):
-    from mutmut.mutation.diff_apply import find_mutant, get_diff_for_mutant
+def not_caught(names, status):
+    """The names whose last check did not catch the mutant (caught: killed or timeout)."""
+    return [n for n in names if column_of(status[n]) not in ("killed", "timeout")]
+
+
+def statuses(names):
+    """{name: mutmut's status word of its last check} ('not checked' if never checked)."""
     from mutmut.stats import status_by_exit_code
 
     codes = exit_codes()
+    return {name: status_by_exit_code[codes.get(name)] for name in names}
+
+
+def print_report(samples, show_diff):
+    from mutmut.mutation.diff_apply import find_mutant, get_diff_for_mutant
+
     every = list(dict.fromkeys(name for sample in samples.values() for name in sample))
-    status = {name: status_by_exit_code[codes.get(name)] for name in every}
+    status = statuses(every)
     print("\n" + "\n".join(report_tables(samples, status)))
     unchecked = [n for n in every if status[n] == "not checked"]
     if unchecked:
@@ -343,7 +362,11 @@ def main(argv=None):
         every = list(dict.fromkeys(name for sample in samples.values() for name in sample))
         print(f"{len(every)} mutants sampled (seeds {', '.join(map(str, args.seeds))}) "
               f"from {', '.join(args.packages)}")
-        run_mutmut(every, args.jobs, args.skip_clean_run)
+        if args.recheck:
+            every = not_caught(every, statuses(every))
+            print(f"checking again the {len(every)} that no test caught last time")
+        if every:
+            run_mutmut(every, args.jobs, args.skip_clean_run)
     print_report(samples, args.diff)
 
 

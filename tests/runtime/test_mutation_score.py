@@ -105,3 +105,11 @@ def test_skipping_the_clean_run_reports_it_passed_without_running_a_test(monkeyp
     for runner in runners:
         # self is never touched: no child process, no pytest
         assert runner.run_clean_tests(None, ["tests/x.py::test_fails"]) == 0
+
+
+def test_a_recheck_runs_again_only_what_no_test_caught():
+    status = {**STATUS, "dsv4.c.z__mutmut_2": "not checked"}
+    assert ms.not_caught(list(status), status) == [
+        "hip_kernels.a.x__mutmut_2", "hip_kernels.a.x__mutmut_3", "mem_pool.b.y__mutmut_2",
+        "dsv4.c.z__mutmut_2"]
+    assert ms.parse_args(["--recheck"]).recheck and not ms.parse_args([]).recheck
