@@ -167,6 +167,10 @@ def test_free_swa_out_of_window_evicts_whole_pages_behind_the_window():
     assert mapped.tolist() == [False] * 8 + [True] * 6
     with pytest.raises(ValueError, match="req_full_loc must be page-aligned by position"):
         al.free_swa_out_of_window(locs[1:], 14, 1)
+    # window 1: positions < 13 are out, whole pages up to position 11; 5 locations are too few
+    with pytest.raises(ValueError, match=r"has 5 locations but positions 0\.\.11 leave the "
+                                         r"window \(seq_len=14, window=1\)"):
+        al.free_swa_out_of_window(locs[:5], 14, 1)
     with pytest.raises(TypeError, match="^req_full_loc must have dtype torch.int32 or"):
         al.free_swa_out_of_window(locs.float(), 14, 5)
     # an allocation cannot continue a page whose SWA page is gone
