@@ -135,6 +135,33 @@ def test_bad_loads_raise_naming_the_argument():
         swapped.load_cpu_copy(without_state, swapped_al.alloc(16))
 
 
+def test_a_copy_missing_a_state_layer_raises_naming_the_state_before_writing():
+    pool, al = small_pool((0, 4), full_tokens=16 * 16, swa_tokens=16 * 16, page_size=16)
+    fill_random(pool, seed=4)
+    copy = pool.get_cpu_copy(al.alloc(16), 1)
+    del copy.states["indexer_compressor_state"][1]
+    before = snapshot(pool)
+    with pytest.raises(ValueError, match=r"the copy's indexer_compressor_state layers \[\] are "
+                                         r"not this pool's \[1\]"):
+        pool.load_cpu_copy(copy, al.alloc(16), 2)
+    after = snapshot(pool)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_round_trip_while_the_default_device_is_not_the_pools():
+    # on a GPU the pool's tensors are off the default (CPU) device; here the pool is on the CPU
+    # and the default device is meta: the copy's index tensors must follow the pool's tensors
+    pool, al = small_pool((0, 4), full_tokens=16 * 16, swa_tokens=16 * 16, page_size=16)
+    src = al.alloc_extend([0], [37], [-1], 37)
+    dst = al.alloc(4 * 16)[4:4 + 37]
+    fill_random(pool, seed=5)
+    with torch.device("meta"):
+        copy = pool.get_cpu_copy(src, req_pool_idx=1)
+        pool.load_cpu_copy(copy, dst, req_pool_idx=2)
+    assert copy.families["indexer"].layers[1][0].device == torch.device("cpu")
+    assert_same_copy(pool.get_cpu_copy(dst, req_pool_idx=2), copy)
+
+
 def test_loading_a_copy_with_state_says_it_needs_a_request_slot():
     P = 4
     pool, al = small_pool((4,), full_tokens=8 * P, swa_tokens=8 * P, page_size=P)
