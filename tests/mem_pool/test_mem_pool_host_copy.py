@@ -169,3 +169,42 @@ def test_loading_a_copy_with_state_says_it_needs_a_request_slot():
     copy = pool.get_cpu_copy(locs)                                # no request slot: no state
     with pytest.raises(ValueError, match=r"compressor state \(it does not\)"):
         pool.load_cpu_copy(copy, locs, req_pool_idx=1)
+
+
+def test_int32_locations_whose_indexer_bytes_pass_2_31_round_trip(monkeypatch):
+    """int32 locations (SGLang's req_to_token rows) of a pool of 2^26 tokens: their indexer rows
+    start past 2^31 bytes; the copy holds the keys stored there and a load puts them at the new
+    rows. The caches are anonymous maps (only the pages touched cost memory); no location has an
+    SWA slot."""
+    import mmap
+
+    from mem_pool.dsv4_pool import DeepSeekV4TokenToKVPool
+    from mem_pool.kv_cache_spec import KVCacheSpec
+
+    def mapped_bytes(self, pages, row_bytes):
+        try:
+            buf = mmap.mmap(-1, pages * row_bytes)
+        except (OSError, ValueError, OverflowError) as e:
+            pytest.skip(f"cannot map {pages * row_bytes} bytes of virtual memory: {e}")
+        return torch.frombuffer(buf, dtype=torch.uint8).view(pages, row_bytes)
+
+    monkeypatch.setattr(DeepSeekV4TokenToKVPool, "_bytes", mapped_bytes)
+    tokens, page_size = 2 ** 26, 64
+    pool = DeepSeekV4TokenToKVPool(KVCacheSpec((4,)), tokens, page_size, page_size, "cpu", 1,
+                                   cache_swa_translation=False, swa_cache_verify=False)
+    pool.register_mapping(torch.tensor([-1]).expand(tokens + page_size + 1))
+    src = torch.tensor([tokens - 4 * 64 + 3], dtype=torch.int32)
+    dst = torch.tensor([tokens - 4 * 130 + 3], dtype=torch.int32)
+    src_row, dst_row = src.long() // 4, dst.long() // 4
+    assert int(dst_row) * kv_layout.INDEX_TOKEN_BYTES > 2 ** 31
+    cache, c4_page = pool.get_indexer_cache(0), pool.c4_page_size
+    key = torch.linspace(-3, 3, kv_layout.INDEX_DIM).to(torch.bfloat16)[None]
+    hip_kernels.indexer_store(key, cache, src_row, c4_page)
+    stored = kv_layout.read_indexer_rows(cache, src_row, c4_page)
+    assert bool((stored != 0).any())
+    copy = pool.get_cpu_copy(src)
+    q, scale = copy.families["indexer"].layers[0]
+    dequant = q.view(hip_kernels.fp8_dialect().torch_dtype).float() * scale.view(torch.float32)
+    assert torch.equal(dequant, stored)
+    pool.load_cpu_copy(copy, dst)
+    assert torch.equal(kv_layout.read_indexer_rows(cache, dst_row, c4_page), stored)
