@@ -66,6 +66,9 @@ def test_grouped_out_proj_is_the_unfused_chain():
 @pytest.mark.parametrize("call, match", [
     (lambda: indexer_query(torch.zeros(2, 96, dtype=torch.bfloat16), freqs(2, 64, 0), 1, 64,
                            reference=True), "power of two"),
+    # the heads already split ([N, n_heads, D]): the projection's flat rows are expected
+    (lambda: indexer_query(torch.zeros(2, 2, 128, dtype=torch.bfloat16), freqs(2, 64, 0), 2,
+                           64, reference=True), "q must be 2-D"),
     (lambda: indexer_query(torch.zeros(2, 256, dtype=torch.bfloat16), freqs(3, 64, 0), 2, 64,
                            reference=True), r"freqs_cis must have shape \[2, 32\]"),
     (lambda: indexer_topk(torch.zeros(2, 4), torch.ones(2, 4, dtype=torch.bool), 5,
