@@ -97,12 +97,13 @@ def _is_pow2(n: int) -> bool:
 
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
            norm_weight: torch.Tensor | None, *, mix_eps: float, iters: int, hc_eps: float,
-           norm_eps: float = 0.0, reference: bool = True,
+           norm_eps: float, reference: bool = True,
            options: KernelOptions = DEFAULT_KERNEL_OPTIONS
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mHC pre and the RMSNorm after it: (normed block input [N, D] in x's dtype, post fp32
     [N, hc], comb fp32 [N, hc, hc]) from x [N, hc, D]; fn [(2 + hc) hc, hc D], scale [3],
-    base [(2 + hc) hc], norm_weight [D] (None: no norm, y itself). reference: DeepSeek-V4's
+    base [(2 + hc) hc], norm_weight [D] (None: no norm, y itself) with its eps norm_eps (no
+    default: a norm's eps is the model's; unused without norm_weight). reference: DeepSeek-V4's
     reference numerics (the Sinkhorn's softmax, see `mhc_split`). options.backend picks the
     backend (no HIP version); an hc that is not a power of two runs the torch reference."""
     check_options(options)

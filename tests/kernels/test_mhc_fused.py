@@ -108,6 +108,8 @@ def test_bad_arguments_raise_naming_them():
         mhc_fused.hc_pre(x, fn, scale, base, weight, **{**kw, "iters": 0})
     with pytest.raises(TypeError, match="x must have dtype"):
         mhc_fused.hc_pre(x.int(), fn, scale, base, weight, **kw)
+    with pytest.raises(TypeError, match="norm_eps"):   # the norm's eps is the caller's to state
+        mhc_fused.hc_pre(x, fn, scale, base, weight, mix_eps=EPS, iters=ITERS, hc_eps=EPS)
     post, comb = torch.rand(2, HC, device=DEV), torch.rand(2, HC, HC, device=DEV)
     with pytest.raises(ValueError, match="comb must have shape"):
         mhc_fused.hc_post(x[:, 0], x, post, comb[:, :2])
