@@ -163,6 +163,9 @@ def test_bad_arguments_raise_naming_them():
         ring_after(p, state, new, TORCH, **{**kw, "overlap": False})
     with pytest.raises(TypeError, match="options must be a hip_kernels.KernelOptions"):
         ring_after(p, state, new, "triton", **kw)
+    # the projection's fp32 rows, not a lower-precision copy of them
+    with pytest.raises(TypeError, match="new must have dtype torch.float32"):
+        ring_after(Plan(8, **NO_WINDOW), state, new.to(torch.bfloat16), TORCH, **kw)
     with pytest.raises(TypeError, match="options must be a hip_kernels.KernelOptions"):
         compressor_project(x, wkv, wgate, ape, torch.arange(2, device=DEV), ratio, options=None)
 
