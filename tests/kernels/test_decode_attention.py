@@ -183,6 +183,12 @@ def test_the_meta_implementation_gives_the_shape():
     (dict(comp_cache=None), ValueError, "comp_loc and comp_valid need comp_cache"),
     (dict(comp_valid=torch.ones(2, 4, dtype=torch.bool)), ValueError,
      r"comp_valid must have shape \[2, 5\]"),
+    (dict(comp_loc=torch.zeros(3, 5, dtype=torch.int64)), ValueError,
+     r"comp_loc must have shape \[2, \*\]"),
+    # every index tensor on q's device (meta stands for another device here)
+    *[(dict(on({name: case(2, 2, 4, 8, 5)[name]}, "meta")), ValueError,
+       f"{name} must be on cpu, got meta")
+      for name in ("window_loc", "window_valid", "comp_loc", "comp_valid")],
 ])
 def test_bad_arguments_are_named(change, error, match):
     """(before any kernel runs)"""
