@@ -272,7 +272,11 @@ def test_two_allocations_from_one_last_loc_are_refused(second):
         first = a.alloc_decode([3], [int(locs[-1])])          # offset 2
         assert int(first) == int(locs[-1]) + 1
         before = state()
-        with pytest.raises(ValueError, match=r"last_loc\[0\]=.* is not the last location"):
+        stale = int(locs[-1])
+        with pytest.raises(ValueError, match=(
+                rf"last_loc\[0\]={stale} is not the last location handed out on page "
+                rf"{stale // P} \(offsets 0\.\.2 are taken\): its next location already "
+                "belongs to an earlier allocation")):
             if second == "decode":
                 a.alloc_decode([3], [int(locs[-1])])
             else:
