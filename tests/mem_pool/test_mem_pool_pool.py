@@ -66,6 +66,11 @@ def test_pool_allocates_exactly_its_footprint_with_the_v4_page_layout():
     for state in (pool.get_compressor_state(2), pool.get_indexer_compressor_state(1)):
         half = state.shape[-1] // 2
         assert (state[..., :half] == 0).all() and (state[..., half:] == float("-inf")).all()
+    # every buffer, by kind, under its own name (host copies and byte counts walk this map)
+    assert pool.all_buffers() == {
+        "swa": pool.swa_caches, "c4": pool.c4_caches, "indexer": pool.indexer_caches,
+        "c128": pool.c128_caches, "compressor_state": pool.compressor_states,
+        "indexer_compressor_state": pool.indexer_compressor_states}
 
 
 def test_page_size_and_pool_sizes_must_fit_the_layout():
@@ -82,9 +87,13 @@ def test_page_size_and_pool_sizes_must_fit_the_layout():
         small_pool((0,), max_num_reqs=0)
 
 
-def test_a_pipeline_stage_holds_only_its_layers_under_global_ids():
-    pool, _ = small_pool((0, 4, 128, 4, 0), page_size=128, full_tokens=128, swa_tokens=128,
-                         start_layer=1, end_layer=4)
+def test_a_pipeline_stage_holds_only_its_layers_under_global_ids(caplog):
+    with caplog.at_level("INFO", logger="mem_pool"):
+        pool, _ = small_pool((0, 4, 128, 4, 0), page_size=128, full_tokens=128, swa_tokens=128,
+                             start_layer=1, end_layer=4)
+    said = [r.getMessage() for r in caplog.records if "KV pool" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith(
+        "DeepSeek-V4 KV pool: layers 1..3, 128 full + 128 SWA tokens, page 128, 4 request slots")
     assert sorted(pool.swa_caches) == [1, 2, 3]
     with pytest.raises(ValueError, match=r"layer_id=0 is not held by this pool \(layers 1..3\)"):
         pool.get_swa_cache(0)
