@@ -28,6 +28,14 @@ def test_alloc_hands_out_whole_pages_never_page_zero():
         a.alloc(3)
 
 
+@pytest.mark.parametrize("size,page_size", [(6, 4), (2, 4), (0, 4), (4, 0)])
+def test_a_size_that_is_not_whole_pages_is_refused(size, page_size):
+    """(a partial last page would hand out locations past the end of the caches)"""
+    with pytest.raises(ValueError, match=f"size={size} must be a positive multiple of "
+                                         f"page_size={page_size}|page_size must be >= 1"):
+        PagedAllocator(size, page_size)
+
+
 def test_exhaustion_returns_none_and_takes_nothing():
     a = PagedAllocator(2 * P, P)
     assert a.alloc(3 * P) is None
