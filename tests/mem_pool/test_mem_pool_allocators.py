@@ -36,6 +36,18 @@ def test_a_size_that_is_not_whole_pages_is_refused(size, page_size):
         PagedAllocator(size, page_size)
 
 
+@pytest.mark.parametrize("loc", [0, P - 1, 9 * P, 9 * P + 1])
+def test_freeing_a_location_outside_the_handed_out_pages_is_refused(loc):
+    """Page 0 (the dummy) and anything past the last page are nobody's; freeing them must not
+    reach the free list."""
+    a = PagedAllocator(8 * P, P)
+    a.alloc(8 * P)
+    with pytest.raises(IndexError,
+                       match=rf"free_index holds {loc}; valid values are {P}..{9 * P - 1}"):
+        a.free(torch.tensor([loc]))
+    assert a.available_size() == 0
+
+
 def test_exhaustion_returns_none_and_takes_nothing():
     a = PagedAllocator(2 * P, P)
     assert a.alloc(3 * P) is None
