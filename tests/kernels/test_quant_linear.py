@@ -6,14 +6,9 @@ dispatcher op per call, Meta shapes, and argument errors.
 
 The Triton kernels' interpreter mode sums each block's exact products in float64 and rounds once
 to fp32, as the references do, so the bf16 outputs are byte-equal. On a GPU the matrix cores sum
-in their own fp32 order: there the test allows one bf16 ulp plus 2^-12 of the sum of the
-absolute dequantized products.
+in their own fp32 order: test_quant_linear_nvidia.py holds that bound and the sm_90 compile.
 """
 
-import json
-import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -30,40 +25,12 @@ from hip_kernels.capture import set_emulated_capture  # noqa: E402
 from hip_kernels.library import ops  # noqa: E402
 from hip_kernels.platform import FNUZ, OCP  # noqa: E402
 from op_recorder import op_names, recorded_calls  # noqa: E402
+from quant_inputs import e8m0, fp4_weight, fp8_weight, gen, rows  # noqa: E402
 from triton_interp_shim import interpreter_shim  # noqa: E402,F401 (autouse fixture)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TORCH = KernelOptions(backend="torch")
 TRITON = KernelOptions(backend="triton")
-
-
-def gen(seed):
-    return torch.Generator().manual_seed(seed)
-
-
-def rows(g, m, k, spread=True):
-    """bf16 [m, k] rows whose 128-blocks span many magnitudes: tiny values (fp8 subnormals
-    after scaling), zeros, large ones, a block of all zeros (amax floored at 1e-4)."""
-    x = torch.randn(m, k, generator=g)
-    if spread:
-        x = x * torch.pow(2.0, torch.randint(-30, 12, (m, k), generator=g).float() / 3)
-        x[:, :3] = 0
-        if k >= 256:
-            x[0, 128:256] = 0
-    return x.bfloat16()
-
-
-def fp8_weight(g, *shape):
-    return (torch.randn(*shape, generator=g) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
-
-
-def e8m0(g, *shape, lo=118, hi=130):
-    return torch.randint(lo, hi, shape, generator=g, dtype=torch.uint8).view(
-        torch.float8_e8m0fnu)
-
-
-def fp4_weight(g, *shape):
-    return torch.randint(-128, 128, shape, generator=g, dtype=torch.int8)
 
 
 # ---- the references against the formula, in float64 -------------------------------------------
@@ -450,48 +417,3 @@ def test_bad_arguments_are_named():
     for call, error, message in cases:
         with pytest.raises(error, match=message):
             call()
-
-
-SM90_COMPILE = """
-import json, re
-from hip_kernels.platform import OCP
-from hip_kernels.triton_aot import _variants, compile_for
-rows = {}
-for name, (kernel, sig, cex, *opts) in _variants(OCP).items():
-    if "linear" in name:
-        ptx = compile_for(kernel, sig, cex, "sm_90", *opts).asm["ptx"]
-        rows[name] = sorted(set(re.findall(r"(?:mma[.]sync|wgmma[.]mma_async)[.]\\S+", ptx)))
-print(json.dumps(rows))
-"""
-
-
-def test_kernels_compile_for_cuda_sm90():
-    """The AMD targets are in test_triton_aot's report; NVIDIA H100 (sm_90) here: both kernels
-    compile (ptx and cubin) to matrix-core instructions (16 rows: mma.sync on f16/bf16
-    operands, exact for fp8 and e2m1 values; 64 rows: fp8 wgmma)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", SM90_COMPILE], cwd=Path(__file__).parents[2],
-                         env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = json.loads(out.stdout)
-    assert set(rows) == {"fp8_linear (16 rows)", "fp8_linear (64 rows)",
-                         "fp4_grouped_linear (16 rows)"}
-    assert all(rows.values()), rows
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 16, 64])
-def test_gpu_kernels_within_the_summation_bound(m):
-    """On a GPU the blocks' products are summed by the matrix cores in their own order."""
-    g = gen(11)
-    x = rows(g, m, 1024, spread=False)
-    w, ws = fp8_weight(g, 512, 1024), e8m0(g, 4, 8)
-    want = fp8_linear(x, w, ws, options=TORCH).double()
-    got = fp8_linear(x.cuda(), w.cuda(), ws.cuda(), options=TRITON).cpu().double()
-    q, s = act_quant(x)
-    a = (q.double().unflatten(-1, (-1, 128)) * s.double()[..., None]).flatten(-2)
-    b = R.e8m0_to_float(ws).double().repeat_interleave(128, 0).repeat_interleave(128, 1)
-    size = a.abs() @ (w.double() * b).abs().T
-    ulp = torch.pow(2.0, torch.floor(torch.log2(want.abs().clamp_min(1e-30))) - 7)
-    assert ((got - want).abs() <= ulp + size * 2.0 ** -12).all()
-    assert math.isfinite(float(got.abs().max()))
