@@ -24,6 +24,7 @@ from hip_kernels import quant_linear_triton as T  # noqa: E402
 from hip_kernels.capture import set_emulated_capture  # noqa: E402
 from hip_kernels.library import ops  # noqa: E402
 from hip_kernels.platform import FNUZ, OCP  # noqa: E402
+from launch_recorder import LaunchRecorder  # noqa: E402
 from op_recorder import op_names, recorded_calls  # noqa: E402
 from quant_inputs import e8m0, fp4_weight, fp8_weight, gen, rows  # noqa: E402
 from triton_interp_shim import interpreter_shim  # noqa: E402,F401 (autouse fixture)
@@ -367,14 +368,8 @@ def test_triton_output_is_on_the_inputs_device(family, monkeypatch):
     """On a CPU every tensor is on the CPU; "meta" stands in for a GPU here. The output the
     wrapper hands to its kernel (launch recorded, not run) and returns is on x's device, and so
     is an empty batch's (no launch)."""
-    launches = []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda *args, **kw: launches.append(
-                [a for a in args if isinstance(a, torch.Tensor)])
-
-    monkeypatch.setattr(T, f"{family.split('_')[0]}_linear_kernel", Recorder())
+    kernel = LaunchRecorder()
+    monkeypatch.setattr(T, f"{family.split('_')[0]}_linear_kernel", kernel)
     x, w, ws, *offs = (t.to("meta") for t in small_args(gen(9))[family])
     offs = offs[0] if offs else None
     if offs is None:                                     # a dense linear is one group
@@ -382,7 +377,8 @@ def test_triton_output_is_on_the_inputs_device(family, monkeypatch):
     outs = [T.quant_linear_triton(r, w, ws, offs, True, family.startswith("fp4"), OCP)
             for r in (x, x[:0])]
     assert [(o.device, o.shape) for o in outs] == [(x.device, (2, 64)), (x.device, (0, 64))]
-    (args,) = launches                                   # the empty batch launches nothing
+    ((launched, _),) = kernel.launches                   # the empty batch launches nothing
+    args = [a for a in launched if isinstance(a, torch.Tensor)]
     assert any(a is outs[0] for a in args)
     assert all(a.device == x.device for a in args)
 

@@ -15,6 +15,7 @@ from hip_kernels import set_kv_triton as K  # noqa: E402
 from hip_kernels.platform import default_device, dialect_for_arch  # noqa: E402
 from kv_inputs import (bf16_rows, gen, indexer_cache, kv_cache, locations,  # noqa: E402
                        norm_rope_args, to_device)
+from launch_recorder import LaunchRecorder  # noqa: E402
 from set_kv_cases import make_case  # noqa: E402
 
 ARCH = "gfx942"
@@ -70,16 +71,11 @@ def test_set_kv_launch_uses_the_aot_reports_options(monkeypatch, op):
     kernel = getattr(K, kernel_name)
     aot_kernel, compiled = aot_options(monkeypatch, variant)
     assert aot_kernel is kernel
-    launches = []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda *args, **kw: launches.append(
-                {k: v for k, v in kw.items() if k not in kernel.arg_names})
-
-    monkeypatch.setattr(K, kernel_name, Recorder())
+    recorder = LaunchRecorder()
+    monkeypatch.setattr(K, kernel_name, recorder)
     getattr(hip_kernels, op)(**to_device(make_args(), default_device()),
                              options=KernelOptions(backend="triton"))
-    (launched,) = launches
+    ((_, kwargs),) = recorder.launches
+    launched = {k: v for k, v in kwargs.items() if k not in kernel.arg_names}
     assert launched.get("enable_fp_fusion") is False
     assert launched == compiled
