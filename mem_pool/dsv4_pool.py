@@ -4,6 +4,9 @@ full->SWA translation with its identity-keyed cache (see swa_loc_cache.py).
 Layer ids are global (a pipeline stage holds spec.start_layer..spec.end_layer-1). Page 0 of every
 paged cache, SWA slot 0 and request slot 0 are dummies that padded graph rows write to; state
 ring row `max_num_reqs` is the scratch row that request index -1 lands on.
+
+The pool holds the buffers; the KV rows a step stores are written by the set-KV kernels of
+hip_kernels, given a layer's cache (`get_swa_cache(layer_id)`), the slots and `page_size`.
 """
 
 from __future__ import annotations
@@ -12,9 +15,7 @@ import logging
 
 import torch
 
-from hip_kernels import (DEFAULT_NUMERICS, fused_k_norm_rope_store, fused_store_cache,
-                         fused_translate_norm_rope_store, indexer_page_bytes, page_bytes,
-                         store_kv_pack)
+from hip_kernels import indexer_page_bytes, page_bytes
 from hip_kernels.capture import is_capturing
 from hip_kernels.checks import value_checks_enabled
 
@@ -216,40 +217,6 @@ class DeepSeekV4TokenToKVPool:
         mapping = self.registered_mapping()
         check_loc_tensor("loc", loc, mapping.device)
         return self._loc_cache.get(loc, mapping, self._translate)
-
-    # ---- SWA writers ----------------------------------------------------------------------
-
-    def set_swa_key_buffer_radix(self, layer_id: int, swa_loc: torch.Tensor, pack) -> None:
-        """Store pre-quantized rows: pack = (nope_fp8 [N, 448], rope_bf16 [N, 64],
-        scales [N, 7] uint8)."""
-        nope_fp8, rope_bf16, scales = pack
-        store_kv_pack(nope_fp8, rope_bf16, scales, self.get_swa_cache(layer_id), swa_loc,
-                      self.page_size)
-
-    def set_swa_key_buffer_radix_fused(self, layer_id: int, swa_loc: torch.Tensor,
-                                       cache_k: torch.Tensor) -> None:
-        """Quantize and store bf16 rows [N, 512] that are already normed and rotated."""
-        fused_store_cache(cache_k, self.get_swa_cache(layer_id), swa_loc, self.page_size)
-
-    def set_swa_key_buffer_radix_fused_norm_rope(self, layer_id: int, swa_loc: torch.Tensor, kv,
-                                                 kv_weight, eps: float, freqs_cis, positions,
-                                                 q=None, numerics=DEFAULT_NUMERICS) -> None:
-        """RMSNorm + RoPE + quantize + store kv [N, 512] bf16 (and norm + RoPE q in place), with
-        the set-KV `numerics` (a hip_kernels.StoreNumerics)."""
-        fused_k_norm_rope_store(kv, kv_weight, eps, freqs_cis, positions, swa_loc,
-                                self.get_swa_cache(layer_id), self.page_size, q=q,
-                                numerics=numerics)
-
-    def set_swa_key_buffer_fused_translate_norm_rope(self, layer_id: int, full_loc: torch.Tensor,
-                                                     kv, kv_weight, eps: float, freqs_cis,
-                                                     positions, q=None,
-                                                     numerics=DEFAULT_NUMERICS) -> None:
-        """As set_swa_key_buffer_radix_fused_norm_rope, at the SWA slots of full-pool locations:
-        the kernel reads the registered full->SWA mapping itself (no translation op; unmapped
-        slot 0 and negative locations write nothing)."""
-        fused_translate_norm_rope_store(kv, kv_weight, eps, freqs_cis, positions, full_loc,
-                                        self.registered_mapping(), self.get_swa_cache(layer_id),
-                                        self.page_size, q=q, numerics=numerics)
 
     # ---- host copies ----------------------------------------------------------------------
 

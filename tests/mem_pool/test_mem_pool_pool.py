@@ -1,5 +1,5 @@
 """KVCacheSpec, the byte footprint (checked by hand on the Flash and Pro shapes), the pool's
-layout, layer mapping, state rings, SWA writers and their errors."""
+layout, layer mapping, state rings, and a layer's SWA cache as the set-KV kernels write it."""
 
 import pytest
 import torch
@@ -132,66 +132,27 @@ def _rows(n, seed=0):
     return (torch.randn(n, 512, generator=g) * 3).to(torch.bfloat16)
 
 
-def test_swa_writers_store_what_the_kernels_store_at_the_translated_slots():
+def test_a_kernel_stores_into_a_layers_swa_cache_at_the_translated_slots():
+    """The pool's SWA cache, its translated slots and its page_size are what the set-KV kernels
+    take (as the model's window store passes them): the bytes are those of the layout's own
+    encoder at those slots, and no other layer's cache changes."""
     pool, al = small_pool((0, 4), full_tokens=64, swa_tokens=64, page_size=16)
     swa_loc = pool.get_cached_swa_loc(al.alloc(16)[3:9], 0)
     rows = _rows(6)
-    pack = kv_layout.quantize_kv_rows(rows)
-    weight = torch.rand(512) + 0.5
-    angles = torch.arange(32 * 32, dtype=torch.float32).view(32, 32) * 0.01
-    freqs = torch.polar(torch.ones_like(angles), angles)
-    positions = torch.arange(6)
-    writes = {
-        "pack": (lambda c: hip_kernels.store_kv_pack(*pack, c, swa_loc, 16),
-                 lambda: pool.set_swa_key_buffer_radix(1, swa_loc, pack)),
-        "fused": (lambda c: hip_kernels.fused_store_cache(rows, c, swa_loc, 16),
-                  lambda: pool.set_swa_key_buffer_radix_fused(1, swa_loc, rows)),
-        "norm_rope": (lambda c: hip_kernels.fused_k_norm_rope_store(
-                          rows, weight, 1e-6, freqs, positions, swa_loc, c, 16),
-                      lambda: pool.set_swa_key_buffer_radix_fused_norm_rope(
-                          1, swa_loc, rows, weight, 1e-6, freqs, positions)),
-    }
-    for name, (direct, through_pool) in writes.items():
-        pool.get_swa_cache(1).zero_()
-        expected = pool.get_swa_cache(1).clone()
-        direct(expected)
-        through_pool()
-        assert torch.equal(pool.get_swa_cache(1), expected), name
-        assert pool.get_swa_cache(1).any() and not pool.get_swa_cache(0).any(), name
+    expected = pool.get_swa_cache(1).clone()
+    nope, rope, scales = kv_layout.quantize_kv_rows(rows)
+    kv_layout.write_kv_bytes(expected, swa_loc, 16, *kv_layout.pack_kv_bytes(nope, rope, scales))
+    hip_kernels.fused_store_cache(rows, pool.get_swa_cache(1), swa_loc, pool.page_size)
+    assert torch.equal(pool.get_swa_cache(1), expected)
+    assert pool.get_swa_cache(1).any() and not pool.get_swa_cache(0).any()
 
 
-def test_the_norm_rope_writer_stores_with_the_numerics_it_is_given():
-    """A host engine's numerics reach the kernel: the bytes are the op's with those numerics,
-    and they differ from the default numerics' (an fp8 clamp of 224 changes every scale)."""
-    pool, al = small_pool((0,), full_tokens=64, swa_tokens=64, page_size=16)
-    swa_loc = pool.get_cached_swa_loc(al.alloc(16)[:4], 0)
-    rows, weight = _rows(4, seed=1), torch.rand(512) + 0.5
-    freqs = torch.polar(torch.ones(8, 32), torch.rand(8, 32))
-    positions = torch.arange(4)
-    numerics = hip_kernels.StoreNumerics(fp8_max=224.0, round_to_bf16=False)
-
-    def direct(n):
-        cache = torch.zeros_like(pool.get_swa_cache(0))
-        hip_kernels.fused_k_norm_rope_store(rows, weight, 1e-6, freqs, positions, swa_loc, cache,
-                                            16, numerics=n)
-        return cache
-
-    pool.set_swa_key_buffer_radix_fused_norm_rope(0, swa_loc, rows, weight, 1e-6, freqs,
-                                                  positions, numerics=numerics)
-    assert torch.equal(pool.get_swa_cache(0), direct(numerics))
-    assert not torch.equal(pool.get_swa_cache(0), direct(hip_kernels.DEFAULT_NUMERICS))
-
-
-def test_bad_writes_raise_before_any_cache_byte_changes():
-    pool, al = small_pool((0,), full_tokens=64, swa_tokens=32, page_size=16)
-    rows = _rows(2)
+def test_a_slot_past_the_pools_swa_slots_is_refused_before_any_cache_byte_changes():
+    """32 SWA tokens in pages of 16, plus the dummy page 0: slots 0..47."""
+    pool, _ = small_pool((0,), full_tokens=64, swa_tokens=32, page_size=16)
     cache = pool.get_swa_cache(0)
+    assert cache.shape[0] * pool.page_size == 48
     with pytest.raises(IndexError, match="out_loc holds location 48"):
-        pool.set_swa_key_buffer_radix_fused(0, torch.tensor([17, 48], dtype=torch.int32), rows)
-    with pytest.raises(TypeError, match="out_loc must have dtype"):
-        pool.set_swa_key_buffer_radix_fused(0, torch.tensor([17.0, 18.0]), rows)
-    with pytest.raises(TypeError, match="rows must have dtype torch.bfloat16"):
-        pool.set_swa_key_buffer_radix_fused(0, torch.tensor([17, 18]), rows.float())
-    with pytest.raises(ValueError, match="layer_id=1 is not held"):
-        pool.set_swa_key_buffer_radix_fused(1, torch.tensor([17, 18]), rows)
+        hip_kernels.fused_store_cache(_rows(2), cache, torch.tensor([17, 48], dtype=torch.int32),
+                                      pool.page_size)
     assert not cache.any()
