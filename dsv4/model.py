@@ -148,6 +148,16 @@ class DeepseekV4Model(nn.Module):
         """Compress ratio -> state ring size, for the ratios this model's layers use."""
         return {r: STATE_RING[r] for r in sorted({l.compress_ratio for l in self.layers}) if r}
 
+    def whole_model_tensors(self) -> dict[str, torch.Tensor]:
+        """The whole model's tensors by name, what a tensor-parallel rank's part is cut from:
+        this model's own when it is not split, else those of the one-rank model of the same
+        config and weight format on the meta device (names and whole shapes, no storage)."""
+        if self.split.size == 1:
+            return self.state_dict(keep_vars=True)
+        whole = DeepseekV4Model(self.config, dtype=self.dtype, device="meta", max_seq_len=1,
+                                weights=self.weights)
+        return whole.state_dict(keep_vars=True)
+
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, token_to_kv_pool, req_to_token: torch.Tensor,
                 all_logits: bool = False, max_rows: dict[int, int] | None = None,

@@ -32,7 +32,7 @@ def init_random_weights(model: nn.Module, seed: int = 0, normal=None) -> nn.Modu
     g = torch.Generator().manual_seed(seed)
     state = model.state_dict(keep_vars=True)
     split = model.split
-    whole = state if split.size == 1 else shards.whole_model_tensors(model)
+    whole = model.whole_model_tensors()
     with torch.no_grad():
         for name, p in sorted(whole.items()):
             leaf = name.rsplit(".", 1)[-1]

@@ -50,12 +50,3 @@ def take(split: TensorSplit, name: str, full: torch.Tensor) -> torch.Tensor:
     r = part_range(split, name, full.shape)
     return full if r is None else full.narrow(*r)
 
-
-def whole_model_tensors(model) -> dict[str, torch.Tensor]:
-    """The state dict of the one-rank model of ``model``'s config and weight format, on the meta
-    device (names and whole shapes, no storage): what a rank's part is cut from."""
-    from ..model import DeepseekV4Model
-
-    whole = DeepseekV4Model(model.config, dtype=model.dtype, device="meta", max_seq_len=1,
-                            weights=model.weights)
-    return whole.state_dict(keep_vars=True)

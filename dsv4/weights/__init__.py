@@ -1,2 +1,3 @@
-"""Checkpoint I/O: tensor names (``names``), quantized formats (``quant``), loading
-(``loader.load_model``) and random checkpoints (``saver.save_random_checkpoint``)."""
+"""Checkpoint I/O below the model: tensor names (``names``), quantized formats (``quant``,
+``formats``, ``native``), reading a checkpoint into a model (``loader.fill_model``) and writing a
+state dict as one (``saver.write_checkpoint``). ``dsv4.checkpoint`` builds the models."""

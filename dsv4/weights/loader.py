@@ -1,4 +1,5 @@
-"""``load_model``: a DeepseekV4Model from a directory of config.json + safetensors shards.
+"""Reading a directory of config.json + safetensors shards into a DeepseekV4Model
+(``dsv4.checkpoint.load_model`` builds the model, then ``fill_model`` fills it).
 
 Accepts the reference tensor names and the Hugging Face variant (``names.py``), FP8 block-scaled
 and FP4 (1x32) quantized weights (kept as stored by a model holding the published formats,
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from ..parallel import SINGLE, TensorSplit, shards
+from ..parallel import shards
 from . import native, quant
 from .formats import native_problem
 from .names import is_mtp, to_reference
@@ -263,47 +264,29 @@ def fp8_block_size(raw_config: dict) -> tuple[int, int]:
     return int(block[0]), int(block[1])
 
 
-def load_model(path, device="cpu", dtype: torch.dtype = torch.bfloat16, on_tensor=None,
-               options=None, weights: str | None = None, split: TensorSplit = SINGLE):
-    """Build a DeepseekV4Model from ``path`` (config.json + safetensors) on ``device``.
-
-    ``dtype`` is the model's compute dtype for its large weights; parameters the model keeps in
-    float32 (norms, mHC, compressor, sinks, head) stay float32. ``weights``: the model's format
-    (``DeepseekV4Model``). "native": quantized tensors keep their stored bytes and scales (FP8
-    made fnuz exactly on an fnuz platform), bf16/fp32 ones are quantized as the checkpoints are,
-    and an FP8 ``wo_a`` is dequantized (the reference computes it in bf16). "bf16": quantized
-    weights are dequantized exactly (value times power-of-two scale) and rounded once to the
-    parameter's dtype. None: "native" for a quantized checkpoint whose config allows it, else
-    "bf16".
-    ``on_tensor``, if given, is called after each tensor is loaded (progress reporting).
-    ``options``: the model's ``dsv4.Options`` (None: read from the DSV4_* flags now); with
-    ``options.check_weights`` every tensor is scanned for NaN/inf and tid2eid for experts out of
-    range.
-    ``split``: the tensor-parallel rank's part to build and read (``dsv4.parallel``): the
-    checkpoint is checked against the whole model; the rank reads only its slices and experts.
-    """
-    from ..config import ModelConfig
-    from ..model import DeepseekV4Model
-    from ..options import Options
-
-    options = Options.from_env() if options is None else options
-    path = Path(path)
+def read_config(path: Path) -> dict:
+    """The checkpoint's config.json as a dict (a ValueError naming the file if it is not JSON)."""
     try:
-        raw_config = json.loads((path / "config.json").read_text())
+        return json.loads((path / "config.json").read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path / 'config.json'}: not valid JSON ({e})") from None
-    config = ModelConfig.from_dict(raw_config, source=str(path / "config.json"))
-    block = fp8_block_size(raw_config)
-    files = checkpoint_files(path)
-    stored = read_headers(files)
 
-    if weights is None:
-        weights = ("native" if stores_quantized(stored) and not native_problem(config)
-                   else "bf16")
-    model = DeepseekV4Model(config, dtype=dtype, device=device, options=options, weights=weights,
-                            split=split)
+
+def fill_model(model, whole: dict[str, torch.Tensor], path: Path, files: list[Path],
+               stored: dict[str, Stored], block: tuple[int, int], options,
+               on_tensor=None) -> None:
+    """Read the checkpoint's tensors into ``model`` (``dsv4.checkpoint.load_model`` builds it).
+
+    ``whole``: the whole model's tensors (``DeepseekV4Model.whole_model_tensors``): the checkpoint
+    is checked against them (every problem in one ``CheckpointError``) before the first tensor is
+    read; a tensor-parallel rank's model reads only its slices and routed experts. ``files``,
+    ``stored``: the shards and their headers (``checkpoint_files``, ``read_headers``); ``block``:
+    the FP8 scale block (``fp8_block_size``). ``options``: the model's ``dsv4.Options``; with
+    ``options.check_weights`` every tensor is scanned for NaN/inf and tid2eid for experts out of
+    range. ``on_tensor``, if given, is called after each tensor is loaded (progress reporting).
+    """
+    config, split = model.config, model.split
     targets = model.state_dict()
-    whole = targets if split.size == 1 else shards.whole_model_tensors(model)
     scales = {name[:-len("weight")] + "scale": name for name in whole
               if name.endswith(".weight") and name[:-len("weight")] + "scale" in whole}
     expected = {k: (native.logical_shape(v) if k in scales.values() else v.shape)
@@ -332,5 +315,4 @@ def load_model(path, device="cpu", dtype: torch.dtype = torch.bfloat16, on_tenso
                 on_tensor()
     n_quant = sum(p.scale is not None for p in plans)
     logger.info("loaded %d tensors (%d quantized, held %s) from %d file(s) in %s",
-                len(plans), n_quant, weights, len(files), path)
-    return model
+                len(plans), n_quant, model.weights, len(files), path)

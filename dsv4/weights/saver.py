@@ -1,7 +1,7 @@
-"""``save_random_checkpoint``: a seeded random DeepseekV4Model written as a checkpoint directory
-(config.json, safetensors shards and their index), in the reference or the Hugging Face naming,
-in the published formats (FP8 linears, FP4 routed experts: ``formats.stored_format``) unless asked
-for bf16.
+"""``write_checkpoint``: a model's state dict written as a checkpoint directory (config.json,
+safetensors shards and their index), in the reference or the Hugging Face naming, in the published
+formats (FP8 linears, FP4 routed experts: ``formats.stored_format``) unless asked for bf16
+(``dsv4.checkpoint.save_random_checkpoint`` writes a seeded random model with it).
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from ..config import HF_ALIASES, HF_ROPE_SCALING
 from . import quant
-from .formats import FP4, FP8, native_problem, stored_format
+from .formats import FP4, FP8, stored_format
 from .loader import INDEX_FILE
 from .names import REF_SCALE, scale_name, to_hf
 
@@ -23,15 +24,9 @@ logger = logging.getLogger(__name__)
 NAMINGS = ("reference", "hf")
 
 
-def random_state_dict(config, seed: int, dtype: torch.dtype = torch.bfloat16,
-                      weights: str = "bf16") -> dict[str, torch.Tensor]:
-    """The state dict of ``DeepseekV4Model(config, dtype, weights=weights)`` after
-    ``init_random_weights(seed)``."""
-    from ..model import DeepseekV4Model
-    from ..random_init import init_random_weights
-
-    model = DeepseekV4Model(config, dtype=dtype, device="cpu", weights=weights)
-    return init_random_weights(model, seed).state_dict()
+def check_naming(naming: str) -> None:
+    if naming not in NAMINGS:
+        raise ValueError(f"naming must be one of {NAMINGS}, got {naming!r}")
 
 
 def checkpoint_tensors(state: dict[str, torch.Tensor], naming: str, quantize: bool
@@ -59,8 +54,6 @@ def checkpoint_tensors(state: dict[str, torch.Tensor], naming: str, quantize: bo
 
 def config_dict(config, naming: str, quantize: bool) -> dict:
     """config.json contents: reference field names, or the Hugging Face ones where they exist."""
-    from ..config import HF_ALIASES, HF_ROPE_SCALING
-
     d = config.to_dict()
     if naming == "hf":
         to_hf_key = {ref: hf for hf, ref in HF_ALIASES.items()}
@@ -96,29 +89,18 @@ def write_shards(tensors: dict[str, torch.Tensor], path: Path, shards: int) -> l
     return [file for file, _ in files]
 
 
-def save_random_checkpoint(config, path, seed: int = 0, *, naming: str = "reference",
-                           quantize: bool = True, dtype: torch.dtype = torch.bfloat16,
-                           shards: int = 2) -> Path:
-    """Write config.json and the safetensors of a random ``DeepseekV4Model(config, dtype)``
-    (``dsv4.random_init.init_random_weights(seed)``) to the directory ``path``.
-
-    ``naming``: "reference" (the published checkpoints' names, ``.scale`` scales) or "hf" (the
-    Hugging Face variant, ``weight_scale_inv`` scales, HF config keys). ``quantize`` (default,
-    as published): routed experts as int8-packed FP4 with 1x32 ue8m0 scales, the attention
-    projections and the shared expert as FP8 e4m3 with 128x128 ue8m0 scales; False writes every
-    weight in ``dtype``. Returns ``path``.
-    """
-    if naming not in NAMINGS:
-        raise ValueError(f"naming must be one of {NAMINGS}, got {naming!r}")
+def write_checkpoint(state: dict[str, torch.Tensor], config, path, *, naming: str = "reference",
+                     quantize: bool = True, shards: int = 2) -> list[Path]:
+    """Write a model's state dict as a checkpoint directory ``path``: config.json and the
+    safetensors shards (with their index when more than one). ``naming``, ``quantize``: as
+    ``dsv4.checkpoint.save_random_checkpoint``. Returns the shard files."""
+    check_naming(naming)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    # A model holding the published formats hands over its stored bytes (no quantization round
-    # trip); a config too narrow for 128-wide blocks is quantized from its bf16 weights.
-    held = "native" if quantize and native_problem(config) is None else "bf16"
-    tensors = checkpoint_tensors(random_state_dict(config, seed, dtype, held), naming, quantize)
+    tensors = checkpoint_tensors(state, naming, quantize)
     (path / "config.json").write_text(
         json.dumps(config_dict(config, naming, quantize), indent=2) + "\n")
     files = write_shards(tensors, path, shards)
-    logger.info("wrote a random checkpoint (seed %d, %s naming%s): %d tensors in %d file(s) at %s",
-                seed, naming, ", quantized" if quantize else "", len(tensors), len(files), path)
-    return path
+    logger.info("wrote a checkpoint (%s naming%s): %d tensors in %d file(s) at %s",
+                naming, ", quantized" if quantize else "", len(tensors), len(files), path)
+    return files

@@ -32,7 +32,7 @@ from dsv4.options import Options
 from dsv4.parallel import TensorSplit
 from dsv4.random_init import init_random_weights
 from mem_pool.prefix import PrefixCache
-from dsv4.weights.loader import load_model
+from dsv4.checkpoint import load_model
 
 TINY = ModelConfig.preset("tiny")
 # the tiny preset has o_groups=2: 4 ranks need 4 output groups

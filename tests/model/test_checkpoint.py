@@ -13,10 +13,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import dsv4
-from dsv4.checkpoint import CheckpointError, load_model, save_random_checkpoint
+from dsv4.checkpoint import (CheckpointError, load_model, random_state_dict,
+                             save_random_checkpoint)
 from dsv4.config import ModelConfig
 from dsv4.weights.names import to_hf, to_reference
-from dsv4.weights.saver import checkpoint_tensors, random_state_dict
+from dsv4.weights.saver import checkpoint_tensors
 
 ROOT = Path(__file__).resolve().parents[2]
 SEED = 7

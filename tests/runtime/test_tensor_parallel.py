@@ -18,7 +18,7 @@ import torch
 
 from dsv4.parallel import SINGLE, TensorSplit, split_problem
 from dsv4.parallel.shards import expert_of, shard_dim
-from dsv4.weights.saver import save_random_checkpoint
+from dsv4.checkpoint import save_random_checkpoint
 
 import tp_worker  # tests/helpers, on the path by tests/conftest.py
 from spawn_ranks import run_ranks
@@ -48,7 +48,7 @@ def native_checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def one_rank(checkpoint, native_checkpoint) -> dict:
-    from dsv4.weights.loader import load_model
+    from dsv4.checkpoint import load_model
 
     torch.set_num_threads(1)
     tiny = {world: tp_worker.random_model(tp_worker.tiny_config(world), SINGLE)
@@ -85,7 +85,7 @@ def expected_bytes(model_state: dict, world: int, n_experts: int) -> int:
 @pytest.mark.parametrize("world", [2, 4])
 def test_ranks_generate_the_one_rank_tokens(tmp_path, world, checkpoint, native_checkpoint,
                                             one_rank):
-    from dsv4.weights.loader import load_model
+    from dsv4.checkpoint import load_model
 
     results = spawn(tmp_path, world, checkpoint, native_checkpoint)
     wholes = {"tiny": tp_worker.random_model(tp_worker.tiny_config(world), SINGLE),
@@ -202,7 +202,7 @@ def test_native_ranks_parts_add_up_to_the_whole_layer(tmp_path, monkeypatch):
     import dsv4.layers.moe as moe
     import dsv4.weights.loader as loader
     from dsv4.options import Options
-    from dsv4.weights.loader import load_model
+    from dsv4.checkpoint import load_model
 
     monkeypatch.setattr(moe, "sum_over_ranks", lambda y, split: y)     # added up here instead
     partials = []
