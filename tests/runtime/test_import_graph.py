@@ -1,10 +1,16 @@
-"""No import circle in hip_kernels, mem_pool or dsv4, counting the imports inside functions too.
+"""No import circle in hip_kernels, mem_pool or dsv4, and no import below a module's floor, counting
+the imports inside functions too.
 
 A circle works only as long as each side imports the other late enough; one moved import line
 turns it into an ImportError or a half-initialized module, so none is allowed. The graph is built
 from the source with `ast`: every `import` and `from ... import` statement, relative ones
 resolved, with an edge to a submodule when the imported name is one (`from . import envs`) and
 to the package itself otherwise (`from hip_kernels import StoreNumerics`).
+
+Floors: hip_kernels knows nothing of mem_pool or dsv4, mem_pool nothing of dsv4, and dsv4's
+checkpoint I/O (weights/) and tensor parallelism (parallel/) sit below the model: of dsv4 they
+import only parallel/ (weights/ sits on it) and the leaves config and envs, so whatever builds a
+DeepseekV4Model (dsv4.model, dsv4.checkpoint, dsv4.random_init) lives above them.
 """
 
 import ast
@@ -36,11 +42,13 @@ def _known(name: str, modules) -> str | None:
     return None
 
 
-def imports_of(name: str, path: Path, modules) -> set[str]:
-    """The modules of ours that `name` (at `path`) imports anywhere in its body."""
+def imports_of(name: str, path: Path, modules, source: str | None = None) -> set[str]:
+    """The modules of ours that `name` (at `path`, its text `source` unless given) imports
+    anywhere in its body: at the top, inside functions, classes and conditionals alike."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    text = path.read_text() if source is None else source
+    for node in ast.walk(ast.parse(text, str(path))):
         targets = []
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
@@ -106,3 +114,53 @@ def test_graph_resolves_relative_and_function_level_imports():
 def test_no_import_circle():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+# (modules under this prefix, what they must not import (those modules and everything under them),
+# the exceptions to that). dsv4.config and dsv4.envs are leaves: they import nothing of dsv4.
+LEAVES = ("dsv4.config", "dsv4.envs")
+FLOORS = (
+    ("hip_kernels", ("mem_pool", "dsv4"), ()),
+    ("mem_pool", ("dsv4",), ()),
+    ("dsv4.parallel", ("dsv4",), ("dsv4.parallel", *LEAVES)),
+    ("dsv4.weights", ("dsv4",), ("dsv4.weights", "dsv4.parallel", *LEAVES)),
+)
+
+
+def _under(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def floor_violations(graph: dict[str, set[str]]) -> list[str]:
+    """'module -> import' for every import below the importing module's floor."""
+    return sorted(f"{module} -> {target}"
+                  for module, targets in graph.items()
+                  for prefix, above, allowed in FLOORS if _under(module, prefix)
+                  for target in targets
+                  if any(_under(target, a) for a in above)
+                  and not any(_under(target, a) for a in allowed))
+
+
+def test_floor_check_sees_an_import_inside_a_function():
+    modules = module_files()
+    lazy = "def build():\n    from ..model import DeepseekV4Model\n    return DeepseekV4Model\n"
+    fake = ROOT / "dsv4" / "weights" / "lazy.py"
+    graph = {"dsv4.weights.lazy": imports_of("dsv4.weights.lazy", fake, modules, lazy)}
+    assert graph["dsv4.weights.lazy"] == {"dsv4.model"}
+    assert floor_violations(graph) == ["dsv4.weights.lazy -> dsv4.model"]
+    assert floor_violations({
+        "mem_pool.x": {"hip_kernels", "dsv4.envs"}, "hip_kernels.y": {"mem_pool"},
+        "dsv4.parallel.z": {"dsv4.checkpoint", "dsv4.config", "dsv4.weights.quant"},
+        "dsv4.weights.w": {"dsv4", "dsv4.parallel.split", "dsv4.random_init", "dsv4.envs"},
+        "dsv4.model": {"dsv4.weights", "dsv4.parallel"}}) == [
+        "dsv4.parallel.z -> dsv4.checkpoint", "dsv4.parallel.z -> dsv4.weights.quant",
+        "dsv4.weights.w -> dsv4", "dsv4.weights.w -> dsv4.random_init",
+        "hip_kernels.y -> mem_pool", "mem_pool.x -> dsv4.envs"]
+
+
+def test_no_module_imports_one_above_its_floor():
+    graph = import_graph()
+    for leaf in LEAVES:   # what weights/ and parallel/ may import must stay below them
+        assert not [t for t in graph[leaf] if _under(t, "dsv4")], leaf
+    violations = floor_violations(graph)
+    assert not violations, "imports above the floor:\n" + "\n".join(violations)
