@@ -6,9 +6,9 @@ token table), which every request's pages and slot come from and go back to.
 ``generate`` admits the prompts that fit (request slots and pages), prefills them in one extend
 step, then decodes all running requests together, one token per step (greedy, sampled as
 ``sampling`` says, or the ``forced_tokens`` given). A request stops at max_new_tokens or
-``eos_token_id``; its pages are freed at once and it leaves the batch. When a decode step finds the pool exhausted, the latest
-admitted request is retracted to the host (``retraction.py``) and resumed when pages free up.
-SWA pages that leave the window are released after every step. Decode steps replay captured
+``eos_token_id``; its pages are freed at once and it leaves the batch. When a decode step finds
+the pool exhausted, the latest admitted request is retracted to the host (``retraction.py``)
+and resumed when pages free up. SWA pages that leave the window are released after every step. Decode steps replay captured
 graphs (``graphs/decode_runner.py``) when ``options.graph`` (DSV4_GRAPH) is on. With a prefix
 cache (``prefix_cache=`` or DSV4_PREFIX_CACHE) a prompt's cached prefix is loaded instead of
 prefilled (``prefix_reuse.py``).
@@ -238,7 +238,8 @@ class Engine:
         lens = torch.tensor([len(r.prompt) for r in reqs])
         locs = self.slots.take(reqs, lens.tolist())
         if locs is None:
-            raise RuntimeError(f"KV pool exhausted: prefill of {int(lens.sum())} tokens")
+            raise RuntimeError(f"KV pool or request slots exhausted: prefill of "
+                               f"{int(lens.sum())} tokens in {len(reqs)} requests")
         self.slots.clear_state(reqs)
         start, new_locs = 0, []
         for req, hit, k in zip(reqs, hits, starts):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from mem_pool.dsv4_pool import create_dsv4_kv_cache
-from mem_pool.host_copy import KVHostCopy, get_cpu_copy
+from mem_pool.host_copy import KVHostCopy
 from mem_pool.kv_cache_spec import KVCacheSpec, footprint
 from mem_pool.req_to_token_pool import ReqToTokenPool
 from mem_pool.swa_window import pages_out_of_window
@@ -143,6 +143,8 @@ class KVSlots:
         nothing taken, when the pool is short."""
         if not running:
             raise ValueError("running must hold at least one request")
+        for i, req in enumerate(running):
+            self._slot("running", i, req)
         lens = torch.tensor([r.seq_len + 1 for r in running])
         locs = self.allocator.alloc_decode(lens, torch.tensor([r.locs[-1] for r in running]))
         if locs is None:
@@ -188,7 +190,7 @@ class KVSlots:
         if not 0 <= start < end <= len(req.locs):
             raise ValueError(f"start={start}, end={end}: expected 0 <= start < end <= "
                              f"{len(req.locs)} (the positions request {req.index} holds)")
-        return get_cpu_copy(self.pool, torch.tensor(req.locs[start:end], device=self.device))
+        return self.pool.get_cpu_copy(torch.tensor(req.locs[start:end], device=self.device))
 
     def load_host_copy(self, req: Request, copy: KVHostCopy) -> None:
         """Write a host copy (rows and state rings) at the request's first copy.num_tokens

@@ -188,6 +188,8 @@ def test_bad_input_raises_naming_the_argument_with_nothing_taken():
             slots.take(reqs, tokens)
     with pytest.raises(ValueError, match="running must hold at least one request"):
         slots.grow([])
+    with pytest.raises(ValueError, match=r"running\[1\] \(request 1\) holds no request slot"):
+        slots.grow([req, free])
     for tokens in (-1, 21, True):
         with pytest.raises(ValueError, match=r"tokens must be an int in 0\.\.20"):
             slots.release_out_of_window(req, tokens)
