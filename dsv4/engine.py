@@ -1,13 +1,14 @@
 """A small batch-synchronous engine: admit prompts into the paged pools, prefill, then decode.
 
-``Engine(model, max_total_tokens=... | kv_bytes=...)`` owns the KV pool and allocator
-(``mem_pool``, sized from a token count or a byte budget) and the request -> token table.
+``Engine(model, max_total_tokens=... | kv_bytes=...)`` owns its KV slots (``kv_slots.py``: the
+pool and allocator of ``mem_pool``, sized from a token count or a byte budget, and the request ->
+token table), which every request's pages and slot come from and go back to.
 ``generate`` admits the prompts that fit (request slots and pages), prefills them in one extend
 step, then decodes all running requests together, one token per step (greedy, sampled as
 ``sampling`` says, or the ``forced_tokens`` given). A request stops at max_new_tokens or
-``eos_token_id``; its pages are freed at once and it leaves the batch. When a decode step finds the pool exhausted, the latest
-admitted request is retracted to the host (``retraction.py``) and resumed when pages free up.
-SWA pages that leave the window are released after every step. Decode steps replay captured
+``eos_token_id``; its pages are freed at once and it leaves the batch. When a decode step finds
+the pool exhausted, the latest admitted request is retracted to the host (``retraction.py``)
+and resumed when pages free up. SWA pages that leave the window are released after every step. Decode steps replay captured
 graphs (``graphs/decode_runner.py``) when ``options.graph`` (DSV4_GRAPH) is on. With a prefix
 cache (``prefix_cache=`` or DSV4_PREFIX_CACHE) a prompt's cached prefix is loaded instead of
 prefilled (``prefix_reuse.py``).
@@ -29,13 +30,11 @@ from typing import Callable
 import torch
 
 from hip_kernels.checks import trusted_locations
-from mem_pool.dsv4_pool import create_dsv4_kv_cache
-from mem_pool.kv_cache_spec import KVCacheSpec, footprint
-from mem_pool.req_to_token_pool import ReqToTokenPool
-from mem_pool.swa_window import pages_out_of_window
+from mem_pool.kv_cache_spec import KVCacheSpec
 
 from .forward_batch import ForwardBatch, ForwardMode
 from .graphs.decode_runner import decode_inputs, make_decode_graph_runner
+from .kv_slots import KVSlots
 from .options import Options
 from .paged_attention import RingRowCapture
 from .prefix_reuse import (boundary_capture, insert_prompt_pages, load_prefix, match_prompt,
@@ -110,9 +109,8 @@ class Engine:
         False for none, or None to follow options.prefix_cache (off by default). graph: capture
         and replay decode steps; None follows options.graph. options: what every step computes
         with (a ``dsv4.Options``); None reads the DSV4_* flags now, once."""
-        for name, value in (("max_batch", max_batch), ("page_size", page_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
         cfg = model.config
         self.options = Options.from_env() if options is None else options
         self.model = model
@@ -125,13 +123,8 @@ class Engine:
                              f"tables (max_seq_len={model.max_seq_len})")
         spec = KVCacheSpec(compress_ratios=cfg.compress_ratios[:cfg.n_layers],
                            window_size=cfg.window_size)
-        max_total_tokens, swa_tokens = self._pool_sizes(spec, page_size, max_total_tokens,
-                                                        swa_tokens, kv_bytes)
-        # Request slot 0 is the dummy that padded graph rows use: max_batch live slots after it.
-        self.pool, self.allocator = create_dsv4_kv_cache(
-            spec, max_total_tokens, swa_tokens, page_size, self.device, max_num_reqs=max_batch + 1)
-        self.req_to_token_pool = ReqToTokenPool(max_batch, self.max_context_len, self.device)
-        self.page_size = page_size
+        self.slots = KVSlots.sized(spec, page_size, max_batch, self.max_context_len, self.device,
+                                   max_total_tokens, swa_tokens, kv_bytes)
         self.stats = EngineStats()
         use_graph = self.options.graph if graph is None else graph
         # Tensor parallel on a GPU captures the collectives in the step (NCCL/RCCL); the CPU
@@ -145,7 +138,7 @@ class Engine:
             self.device, self.options) if use_graph else None
         if prefix_cache is None:
             prefix_cache = prefix_cache_from_options(self.options, page_size, cfg.window_size,
-                                                     max_total_tokens // page_size,
+                                                     self.allocator.size_full // page_size,
                                                      model.split.group)
         elif prefix_cache is not False and (prefix_cache.page_size, prefix_cache.window) != (
                 page_size, cfg.window_size):
@@ -154,29 +147,11 @@ class Engine:
                              f"{page_size} and window {cfg.window_size}")
         self.prefix_cache = prefix_cache or None
 
-    def _pool_sizes(self, spec, page_size, max_total_tokens, swa_tokens, kv_bytes):
-        """(full tokens, SWA tokens): given, from a byte budget, or enough for max_batch requests
-        of max_context_len. A prefill takes SWA slots for every prompt token (pages that leave
-        the window are freed after the step), so by default the SWA side matches the full side."""
-        if kv_bytes is not None:
-            if max_total_tokens is not None:
-                raise ValueError("pass max_total_tokens or kv_bytes, not both")
-            fp = footprint(spec, page_size)
-            if swa_tokens is None:
-                spare = kv_bytes - fp.total_bytes(0, 0, self.max_batch + 1)
-                swa_tokens = max(0, spare) // (fp.full_page_bytes + fp.swa_page_bytes) * page_size
-            max_total_tokens = fp.max_total_tokens_for(kv_bytes, swa_tokens, self.max_batch + 1)
-            if min(max_total_tokens, swa_tokens) < page_size:
-                raise ValueError(f"kv_bytes={kv_bytes} holds less than one page "
-                                 f"(page_size={page_size}) on the full or the SWA side")
-        elif max_total_tokens is None:
-            pages_per_req = -(-self.max_context_len // page_size)
-            max_total_tokens = self.max_batch * pages_per_req * page_size
-        return max_total_tokens, max_total_tokens if swa_tokens is None else swa_tokens
-
-    @property
-    def req_to_token(self) -> torch.Tensor:
-        return self.req_to_token_pool.req_to_token
+    # The slots' parts, for callers that look into the KV memory (tests, scripts, the report).
+    pool = property(lambda self: self.slots.pool)
+    allocator = property(lambda self: self.slots.allocator)
+    req_to_token_pool = property(lambda self: self.slots.req_to_token_pool)
+    req_to_token = property(lambda self: self.slots.req_to_token_pool.req_to_token)
 
     def forward(self, batch: ForwardBatch, all_logits: bool = False,
                 ring_capture: RingRowCapture | None = None) -> torch.Tensor:
@@ -199,15 +174,14 @@ class Engine:
         max_context_len, or too large for the whole pool fails on its own: its `errors` entry
         says why, its tokens are empty or stop where it failed, and the other requests complete
         as they would have without it. Mistakes of the call itself raise ValueError."""
-        vocab = self.model.config.vocab_size
-        pool_pages = min(self.allocator.size_full, self.allocator.size_swa) // self.page_size
+        vocab, slots = self.model.config.vocab_size, self.slots
         check_call(prompt_token_ids, max_new_tokens, forced_tokens, vocab)
         if not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling must be a dsv4.SamplingParams, got "
                             f"{type(sampling).__name__}")
         reqs = [Request(i, list(p), max_new_tokens, forced_tokens[i] if forced_tokens else None,
                         error=request_error(i, p, max_new_tokens, vocab, self.max_context_len,
-                                            self.page_size, pool_pages))
+                                            slots.page_size, slots.capacity_pages()))
                 for i, p in enumerate(prompt_token_ids)]
         self._sampling = sampling
         self._generator = None if sampling.greedy else torch.Generator().manual_seed(sampling.seed)
@@ -222,33 +196,27 @@ class Engine:
                         on_step()
         finally:
             for req in running:
-                self._release(req)
+                slots.release(req)
         logits = _stack_logits([r.logits for r in reqs]) if return_logits else None
         return GenerateOutput([r.out for r in reqs], logits, [r.error for r in reqs])
 
     # ---- admission --------------------------------------------------------------------------
 
-    def _free_pages(self) -> int:
-        return min(self.allocator.full_available_size(),
-                   self.allocator.swa_available_size()) // self.page_size
-
-    def _pages(self, tokens: int) -> int:
-        return -(-tokens // self.page_size)
-
     def _schedule(self, waiting, retracted, running, return_logits) -> None:
         """Resume retracted requests first (oldest first, keeping a page of headroom per running
         request so they do not bounce straight back), then prefill the prompts that fit."""
+        slots = self.slots
         while retracted and len(running) < self.max_batch and (
-                not running or self._pages(retracted[0].seq_len) + len(running)
-                <= self._free_pages()) and try_resume(self, retracted[0]):
+                not running or slots.pages(retracted[0].seq_len) + len(running)
+                <= slots.free_pages()) and try_resume(slots, retracted[0]):
             running.append(retracted.popleft())
             self.stats.resumptions += 1
         if retracted and running:
             return
         admitted, pages = [], 0
         while waiting and len(running) + len(admitted) < self.max_batch:
-            need = self._pages(len(waiting[0].prompt))
-            if pages + need > self._free_pages():
+            need = slots.pages(len(waiting[0].prompt))
+            if pages + need > slots.free_pages():
                 break
             pages += need
             admitted.append(waiting.popleft())
@@ -257,16 +225,8 @@ class Engine:
         elif not running:
             stuck = retracted.popleft() if retracted else waiting.popleft()
             stuck.fail(f"KV pool exhausted: request {stuck.index} needs "
-                       f"{self._pages(max(stuck.seq_len, len(stuck.prompt)))} pages of "
-                       f"{self.page_size} tokens and the empty pool has {self._free_pages()}")
-
-    def _admit(self, n: int) -> list[int]:
-        if n > self.req_to_token_pool.available():
-            raise RuntimeError(f"{n} prompts but only {self.req_to_token_pool.available()} free "
-                               "request slots (raise max_batch)")
-        slots = [self.req_to_token_pool.alloc() for _ in range(n)]
-        self.pool.clear_compressor_state(torch.tensor(slots, device=self.device))
-        return slots
+                       f"{slots.pages(max(stuck.seq_len, len(stuck.prompt)))} pages of "
+                       f"{slots.page_size} tokens and the empty pool has {slots.free_pages()}")
 
     # ---- steps ------------------------------------------------------------------------------
 
@@ -276,21 +236,17 @@ class Engine:
         hits = [match_prompt(cache, r) for r in reqs] if cache else [None] * len(reqs)
         starts = [h.tokens if h else 0 for h in hits]
         lens = torch.tensor([len(r.prompt) for r in reqs])
-        locs = self.allocator.alloc_extend(torch.zeros_like(lens), lens, torch.full_like(lens, -1),
-                                           int(lens.sum()))
+        locs = self.slots.take(reqs, lens.tolist())
         if locs is None:
-            raise RuntimeError(f"KV pool exhausted: prefill of {int(lens.sum())} tokens")
-        host_locs = self.allocator.last_handed_out.tolist()
-        slots = self._admit(len(reqs))
+            raise RuntimeError(f"KV pool or request slots exhausted: prefill of "
+                               f"{int(lens.sum())} tokens in {len(reqs)} requests")
+        self.slots.clear_state(reqs)
         start, new_locs = 0, []
-        for req, slot, hit, k in zip(reqs, slots, hits, starts):
-            req.slot, req.seq_len = slot, len(req.prompt)
-            req_locs = locs[start:start + req.seq_len]
-            self.req_to_token_pool.write(slot, 0, req_locs)
-            req.locs, req.swa_freed_to = host_locs[start:start + req.seq_len], 0
+        for req, hit, k in zip(reqs, hits, starts):
+            req.seq_len = len(req.prompt)
             if k:
-                load_prefix(self, req, hit, req_locs)
-            new_locs.append(req_locs[k:])
+                load_prefix(self.slots, req, hit)
+            new_locs.append(locs[start + k:start + req.seq_len])
             start += req.seq_len
         self._note_usage()
         self.stats.prompt_tokens += int(lens.sum())
@@ -302,15 +258,16 @@ class Engine:
             ForwardMode.EXTEND, input_ids=torch.tensor(
                 [t for r, k in zip(reqs, starts) for t in r.prompt[k:]], device=dev),
             positions=torch.tensor(positions, device=dev),
-            out_cache_loc=torch.cat(new_locs), req_pool_indices=torch.tensor(slots, device=dev),
+            out_cache_loc=torch.cat(new_locs),
+            req_pool_indices=torch.tensor([r.slot for r in reqs], device=dev),
             seq_lens=lens.to(dev), extend_seq_lens=new.to(dev),
             max_seq_len=max(len(r.prompt) for r in reqs),
             host_positions=positions)
-        capture = boundary_capture(reqs, starts, self.page_size, dev) if cache else None
+        capture = boundary_capture(reqs, starts, self.slots.page_size, dev) if cache else None
         rings = RingRowCapture(capture.rows) if capture is not None else None
         logits = self.forward(batch, ring_capture=rings)
         if capture is not None:
-            insert_prompt_pages(self, cache, capture, rings.states)
+            insert_prompt_pages(self.slots, cache, capture, rings.states)
         running.extend(reqs)
         self._finish_step(reqs, running, logits, return_logits)
         self.stats.prefill_s.append(time.perf_counter() - began)
@@ -323,11 +280,6 @@ class Engine:
         if locs is None:  # the one running request could not grow: it failed on its own
             return
         dev = self.device
-        self.req_to_token_pool.write_positions(torch.tensor([r.slot for r in running]),
-                                               torch.tensor([r.seq_len for r in running]), locs)
-        for req, loc in zip(running, self.allocator.last_handed_out.tolist()):
-            req.locs.append(loc)
-            req.seq_len += 1
         lens = torch.tensor([r.seq_len for r in running], device=dev)
         batch = ForwardBatch(ForwardMode.DECODE,
                              input_ids=torch.tensor([r.next_input for r in running], device=dev),
@@ -341,23 +293,21 @@ class Engine:
         self.stats.decode_step_s.append(time.perf_counter() - start)
 
     def _alloc_decode(self, running: list[Request], retracted: deque) -> torch.Tensor | None:
-        """One location per running request; retracts the latest admitted until they fit (None:
-        the last one alone did not fit and failed)."""
+        """One more location per running request (``KVSlots.grow``); retracts the latest admitted
+        until they fit (None: the last one alone did not fit and failed)."""
         while True:
-            lens = torch.tensor([r.seq_len + 1 for r in running])
-            last_loc = torch.tensor([r.locs[-1] for r in running])
-            locs = self.allocator.alloc_decode(lens, last_loc)
+            locs = self.slots.grow(running)
             if locs is not None:
                 self._note_usage()
                 return locs
             if len(running) == 1:
                 req = running.pop()
-                self._release(req)
+                self.slots.release(req)
                 req.fail(f"KV pool exhausted: request {req.index} alone needs more than the "
                          f"pool's {self.allocator.size_full} tokens")
                 return None
             victim = running.pop()
-            retract(self, victim)
+            retract(self.slots, victim)
             retracted.appendleft(victim)
             self.stats.retractions += 1
 
@@ -385,29 +335,14 @@ class Engine:
             req.append(req.forced[len(req.out)] if req.forced else int(token), self.eos_token_id)
             if req.finished:
                 running.remove(req)
-                self._release(req)
+                self.slots.release(req)
             else:
-                self._evict_out_of_window(req)
+                self.slots.release_out_of_window(req, req.seq_len)
 
     def _note_usage(self) -> None:
-        a, s = self.allocator, self.stats
-        s.peak_full_tokens = max(s.peak_full_tokens, a.size_full - a.full_available_size())
-        s.peak_swa_tokens = max(s.peak_swa_tokens, a.size_swa - a.swa_available_size())
-
-    def _evict_out_of_window(self, req: Request) -> None:
-        """Free the SWA pages of the whole pages that just left the window (nothing on most
-        steps; never a rescan of the request's history)."""
-        gone = pages_out_of_window(req.seq_len, self.model.config.window_size,
-                                   self.page_size) * self.page_size
-        if gone > req.swa_freed_to:
-            self.allocator.free_swa(torch.tensor(req.locs[req.swa_freed_to:gone]))
-            req.swa_freed_to = gone
-
-    def _release(self, req: Request) -> None:
-        """Free the request's pages and its slot."""
-        self.allocator.free(torch.tensor(req.locs, dtype=torch.int64))
-        self.req_to_token_pool.free(req.slot)
-        req.slot, req.locs = None, []
+        (full, swa), s = self.slots.tokens_in_use(), self.stats
+        s.peak_full_tokens = max(s.peak_full_tokens, full)
+        s.peak_swa_tokens = max(s.peak_swa_tokens, swa)
 
 
 def _stack_logits(per_request: list[list[torch.Tensor]]) -> torch.Tensor | None:

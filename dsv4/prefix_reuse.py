@@ -20,12 +20,12 @@ from dataclasses import dataclass
 import torch
 
 from mem_pool import envs as _pool_envs  # noqa: F401  (registers the pool's flags first)
-from mem_pool.host_copy import KVHostCopy, get_cpu_copy
+from mem_pool.host_copy import KVHostCopy
 from mem_pool.kv_cache_spec import STATE_RING
 from mem_pool.prefix import (PrefixCache, PrefixHit, complete_states, split_host_copy,
                              with_boundary_state)
-from mem_pool.swa_window import pages_out_of_window
 
+from .kv_slots import KVSlots
 from .options import Options
 from .request import Request
 
@@ -49,16 +49,13 @@ def match_prompt(cache: PrefixCache, req: Request) -> PrefixHit:
     return cache.match(req.prompt, max_tokens=len(req.prompt) - 1)
 
 
-def load_prefix(engine, req: Request, hit: PrefixHit, locs: torch.Tensor) -> None:
-    """Write the hit's positions into the request's fresh pages (locs: its full locations,
-    device) and its slot's compressor rings; free the SWA pages before the window."""
-    k, window = hit.tokens, engine.model.config.window_size
-    engine.allocator.free_swa_out_of_window(torch.tensor(req.locs[:k]), k, window)
-    req.swa_freed_to = pages_out_of_window(k, window, engine.page_size) * engine.page_size
+def load_prefix(slots: KVSlots, req: Request, hit: PrefixHit) -> None:
+    """Write the hit's positions into the request's fresh pages and its slot's compressor
+    rings; free the SWA pages before the window."""
+    slots.release_out_of_window(req, hit.tokens)
     copy = hit.copy
-    engine.pool.load_cpu_copy(
-        KVHostCopy(copy.num_tokens, copy.families, complete_states(engine.pool, copy.states)),
-        locs[:k], req_pool_idx=req.slot)
+    slots.load_host_copy(req, KVHostCopy(copy.num_tokens, copy.families,
+                                         complete_states(slots.pool, copy.states)))
 
 
 @dataclass
@@ -81,7 +78,7 @@ def boundary_capture(reqs: list[Request], starts: list[int], page_size: int,
     return BoundaryCapture(torch.tensor(rows, dtype=torch.int64, device=device), ends)
 
 
-def insert_prompt_pages(engine, cache: PrefixCache, capture: BoundaryCapture,
+def insert_prompt_pages(slots: KVSlots, cache: PrefixCache, capture: BoundaryCapture,
                         captured: dict[str, dict[int, torch.Tensor]] | None) -> None:
     """Insert the whole prompt pages this prefill computed that the cache does not hold."""
     by_req: dict[int, list[tuple[int, int]]] = {}
@@ -95,9 +92,8 @@ def insert_prompt_pages(engine, cache: PrefixCache, capture: BoundaryCapture,
         if not todo:
             continue
         first, last = todo[0][0], todo[-1][0]
-        P = engine.page_size
-        locs = torch.tensor(req.locs[first * P:(last + 1) * P], device=engine.device)
-        records = split_host_copy(get_cpu_copy(engine.pool, locs), P)
+        P = slots.page_size
+        records = split_host_copy(slots.host_rows(req, first * P, (last + 1) * P), P)
         for page, row in todo:
             states = {table: {layer: rows[row:row + RING].cpu()
                               for layer, rows in layers.items()}

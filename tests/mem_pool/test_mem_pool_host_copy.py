@@ -3,40 +3,15 @@ raise naming the rows, before any byte is written."""
 
 import pytest
 import torch
-from mem_pool_testlib import small_pool
+from mem_pool_testlib import assert_same_copy, fill_random, small_pool
 
 import hip_kernels
 from hip_kernels import kv_layout
 
 
-def fill_random(pool, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    for table in pool.all_buffers().values():
-        for t in table.values():
-            if t.dtype == torch.uint8:
-                t.copy_(torch.randint(0, 256, t.shape, generator=g, dtype=torch.uint8))
-            else:
-                t.copy_(torch.randn(t.shape, generator=g))
-
-
 def snapshot(pool):
     return {(name, layer): t.clone() for name, table in pool.all_buffers().items()
             for layer, t in table.items()}
-
-
-def assert_same_copy(a, b):
-    assert a.num_tokens == b.num_tokens and set(a.families) == set(b.families)
-    for family, rows in a.families.items():
-        other = b.families[family]
-        assert torch.equal(rows.mask, other.mask), family
-        assert set(rows.layers) == set(other.layers), family
-        for layer, (values, scales) in rows.layers.items():
-            assert torch.equal(values, other.layers[layer][0]), (family, layer)
-            assert torch.equal(scales, other.layers[layer][1]), (family, layer)
-    assert (a.states is None) == (b.states is None)
-    for name, layers in (a.states or {}).items():
-        for layer, state in layers.items():
-            assert torch.equal(state, b.states[name][layer]), (name, layer)
 
 
 def test_round_trip_into_other_pages_and_in_page_offsets():

@@ -4,8 +4,7 @@ safetensors bytes, with masks and the boundary compressor state; checked against
 import pytest
 import safetensors.torch
 import torch
-from mem_pool_testlib import small_pool
-from test_mem_pool_host_copy import assert_same_copy, fill_random
+from mem_pool_testlib import assert_same_copy, fill_random, small_pool
 
 from mem_pool import (boundary_state, join_page_records, record_from_bytes, record_page_size,
                       record_to_bytes, split_host_copy, with_boundary_state)

@@ -215,7 +215,8 @@ def test_an_extend_that_continues_a_prefix_matches_one_extend(model, flag_env):
         return engine.forward(batch, all_logits=True)
 
     def run(chunks):
-        slot = engine._admit(1)[0]
+        slot = engine.req_to_token_pool.alloc()
+        engine.pool.clear_compressor_state(torch.tensor([slot]))
         out, start = [], 0
         for n in chunks:
             out.append(extend(slot, start, n))
