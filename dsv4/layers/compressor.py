@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hip_kernels.compressor_update import compressor_project, compressor_update, pool_windows
+from hip_kernels.compressor_update import compressor_project, compressor_update
 from hip_kernels.options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 
 from .linear import Linear
@@ -72,10 +72,3 @@ class Compressor(nn.Module):
                                  rope_dim=self.rope_dim, overlap=self.overlap,
                                  rotate=self.rotate, reference=reference, dtype=dtype,
                                  options=kernel)
-
-    def pool(self, kv: torch.Tensor, score: torch.Tensor,
-             has_prev: torch.Tensor | None = None) -> torch.Tensor:
-        """Pool windows: kv, score [M, window_rows, coff*d] in position order (with overlap the
-        first ``ratio`` rows are the previous window); has_prev [M] bool says whether that previous
-        window exists (rows of a missing one are ignored, whatever they hold). fp32 [M, d]."""
-        return pool_windows(kv, score, has_prev, self.head_dim, self.ratio, self.overlap)

@@ -11,18 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from hip_kernels import DEFAULT_KERNEL_OPTIONS, KernelOptions, mhc_fused, mhc_split
+from hip_kernels import DEFAULT_KERNEL_OPTIONS, KernelOptions, mhc_fused
 from hip_kernels.mhc_fused import hc_mixes
-
-
-def hc_split(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,
-             eps: float, *, reference: bool, kernel: KernelOptions
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """pre [N, hc], post [N, hc], comb [N, hc, hc] (Sinkhorn-normalised) from the mixes
-    [N, (2 + hc) * hc]: one fused op (``hip_kernels.mhc_split``; reference: the reference
-    numerics' Sinkhorn; kernel: the kernel options)."""
-    return mhc_split.hc_split(mixes.flatten(0, -2), scale, base, hc, iters, eps,
-                              reference=reference, options=kernel)
 
 
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
