@@ -17,8 +17,8 @@ For each new token (a query) it says which KV rows it attends and where they liv
   and the ring row each new token's (kv, score) goes to (-1: not kept, only the last ring_size
   positions of a request are).
 
-The step's ``Options`` ride along (``meta.options``): every layer reads its numerics mode, its
-kernel options and its prepare mode from there, never from the environment.
+The metadata holds the step's tensors only: what the step computes with (its ``Options``) is the
+forward's own argument, handed down to every layer beside it.
 
 Decode metadata is built with tensor ops only (no host synchronization, shapes fixed by
 ``max_context_len``), so it can be captured into a graph with the step. The tensors are one
@@ -34,7 +34,6 @@ import torch
 from hip_kernels.library import define_op, ops
 
 from .forward_batch import ForwardBatch
-from .options import Options
 
 
 @dataclass
@@ -64,7 +63,6 @@ class AttentionMetadata:
     swa_write_loc: torch.Tensor | None  # [N] SWA slot each new token's KV row is stored at
     #                                     (int32, = window_loc[:, -1]); None: the store kernels
     #                                     translate out_cache_loc themselves
-    options: Options                    # what the step computes with (numerics, kernels, ...)
     window_width: torch.Tensor | None = None  # [N] window columns before the compressed rows
     #                                     (extend only; None: all W, as every decode step)
 
@@ -77,7 +75,7 @@ def state_ring_rows(req_slots: torch.Tensor, positions: torch.Tensor,
 
 def build_attention_metadata(batch: ForwardBatch, req_to_token: torch.Tensor,
                              full_to_swa: torch.Tensor, swa_write_loc: torch.Tensor | None,
-                             window: int, ratios: dict[int, int], options: Options,
+                             window: int, ratios: dict[int, int],
                              max_rows: dict[int, int] | None = None) -> AttentionMetadata:
     """``full_to_swa`` is the allocator's mapping tensor: the window's older slots are gathered
     through it directly; ``swa_write_loc`` [N] is the SWA slot of each new token (the pool's
@@ -100,8 +98,7 @@ def build_attention_metadata(batch: ForwardBatch, req_to_token: torch.Tensor,
              for i, (ratio, ring) in enumerate(ratios.items())}
     width = (None if decode else
              prefill_window_width(batch, window)[batch.token_request_rows()])
-    return AttentionMetadata(batch.positions.long(), out[0], out[1], plans, swa_write_loc,
-                             options, width)
+    return AttentionMetadata(batch.positions.long(), out[0], out[1], plans, swa_write_loc, width)
 
 
 def _plan_tokens(batch: ForwardBatch, ratio: int) -> torch.Tensor | None:

@@ -2,11 +2,11 @@
 forward over the paged KV caches of ``mem_pool``.
 
 One step (``DeepseekV4Model.forward``): attention metadata is built once from the batch (with the
-pool's SWA translation of ``out_cache_loc``, once for all layers, and the step's ``Options``);
-then each
-``DeepseekV4DecoderLayer`` runs mHC pre, its ``PagedAttention`` (Q/KV projections, the window KV
-store at the step's SWA write slots, the compressors, the sparse attention over window +
-compressed rows: ``dsv4.paged_attention``), mHC post, and the MoE half.
+pool's SWA translation of ``out_cache_loc``, once for all layers); then each
+``DeepseekV4DecoderLayer`` runs, given that metadata and the step's ``Options``: mHC pre, its
+``PagedAttention`` (Q/KV projections, the window KV store at the step's SWA write slots, the
+compressors, the sparse attention over window + compressed rows: ``dsv4.paged_attention``), mHC
+post, and the MoE half.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class DeepseekV4DecoderLayer(nn.Module):
         c = self.config
         return mhc.hc_pre(x, getattr(self, f"hc_{part}_fn"), getattr(self, f"hc_{part}_scale"),
                           getattr(self, f"hc_{part}_base"), c.norm_eps, c.hc_sinkhorn_iters,
-                          c.hc_eps, reference=options.reference, options=options.kernel,
+                          c.hc_eps, reference=options.reference, kernel=options.kernel,
                           norm=norm)
 
     def attn_input(self, x: torch.Tensor, options: Options):
@@ -78,13 +78,14 @@ class DeepseekV4DecoderLayer(nn.Module):
     # ---- paged execution ----------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, meta: AttentionMetadata,
-                token_to_kv_pool, freqs_cis: torch.Tensor,
+                options: Options, token_to_kv_pool, freqs_cis: torch.Tensor,
                 ring_capture: RingRowCapture | None = None) -> torch.Tensor:
-        """Hidden copies [N, hc, dim] -> the same after this layer; freqs_cis: the layer's table."""
-        y, post, comb = self.attn_input(x, meta.options)
-        out = self.paged(y, batch, meta, token_to_kv_pool, freqs_cis, ring_capture)
-        x = mhc.hc_post(out, x, post, comb, meta.options.kernel)
-        return self.ffn_block(x, batch.input_ids, meta.options)
+        """Hidden copies [N, hc, dim] -> the same after this layer, computed with the step's
+        options; freqs_cis: the layer's table."""
+        y, post, comb = self.attn_input(x, options)
+        out = self.paged(y, batch, meta, options, token_to_kv_pool, freqs_cis, ring_capture)
+        x = mhc.hc_post(out, x, post, comb, options.kernel)
+        return self.ffn_block(x, batch.input_ids, options)
 
 
 class DeepseekV4Model(nn.Module):
@@ -173,10 +174,11 @@ class DeepseekV4Model(nn.Module):
                          else token_to_kv_pool.get_cached_swa_loc(batch.out_cache_loc))
         meta = build_attention_metadata(
             batch, req_to_token, token_to_kv_pool.full_to_swa_index_mapping, swa_write_loc,
-            self.config.window_size, self.compress_ratios(), options, max_rows)
+            self.config.window_size, self.compress_ratios(), max_rows)
         x = self.embed_tokens(batch.input_ids)
         for layer in self.layers:
-            x = layer(x, batch, meta, token_to_kv_pool, self.layer_freqs(layer), ring_capture)
+            x = layer(x, batch, meta, options, token_to_kv_pool, self.layer_freqs(layer),
+                      ring_capture)
         if not all_logits and not batch.is_decode:
             x = x[torch.cumsum(batch.extend_seq_lens.long(), 0) - 1]
         return self.logits(x)

@@ -3,11 +3,12 @@
 Flags are the user's interface, not the code's: ``Options.from_env()`` reads them when a model
 (``DeepseekV4Model(..., options=None)``) or an engine (``Engine(..., options=None)``) is made, and
 from then on the value travels: the engine hands it to the model's forward, its graphs and its
-prefix cache; a step carries it in its ``AttentionMetadata``; layers and kernel wrappers take the
-parts they need as arguments. Changing a flag afterwards changes nothing in a made engine; to
-run with other options, make the engine (or pass ``options=``) again. A captured graph keeps the
-options it was captured with, and replaying it with others is an error
-(``dsv4.graphs.GraphFlagChanged``).
+prefix cache; the forward hands it to every layer as an argument, beside the step's
+``AttentionMetadata`` (which holds tensors only); layers and kernel wrappers take the parts they
+need as arguments (the kernel half, a ``KernelOptions``, goes by the name ``kernel``). Changing
+a flag afterwards changes nothing in a made engine; to run with other options, make the engine
+(or pass ``options=``) again. A captured graph keeps the options it was captured with, and
+replaying it with others is an error (``dsv4.graphs.GraphFlagChanged``).
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 layer's views of the pool once, stores the window KV row at the step's SWA write slot, runs the
 compressors (on side streams when asked), the indexer selection, the gather of the window and
 compressed rows and the sparse attention. The math lives in ``dsv4.layers``; this file moves rows
-between it and the caches, following the step's ``AttentionMetadata`` (whose ``options`` say
-the numerics, the kernels' options and the prepare mode). Every store is one ``hip_kernels`` call
-on the layer's buffer.
+between it and the caches, following the step's ``AttentionMetadata`` (where the rows are) and
+its ``Options`` (the numerics, the kernels' options and the prepare mode), both given to each
+call. Every store is one ``hip_kernels`` call on the layer's buffer.
 """
 
 from __future__ import annotations
@@ -77,14 +77,14 @@ class RingRowCapture:
 
 def run_compressor(comp: Compressor, x: torch.Tensor, positions: torch.Tensor, plan: CompressPlan,
                    state: torch.Tensor, store, freqs_cis: torch.Tensor, reference: bool,
-                   options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
+                   kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
     """One step of a compressor (two ops and the store): pool every candidate's window (rows
     from the state ring or from this step), keep this step's (kv, score) rows in the ring, emit
     the boundary rows through ``store(rows, loc)`` (negative loc = skip). state: fp32 [ring rows, 2 * width];
-    reference: the reference numerics; options: the two ops' backend. Returns this step's
+    reference: the reference numerics; kernel: the two ops' kernel options. Returns this step's
     (kv, score) rows [N, 2 * width], the rows a ring would keep."""
-    new = comp.project(x, positions, options)
-    out = comp.update(new, state, plan, freqs_cis, x.dtype, reference, options)
+    new = comp.project(x, positions, kernel)
+    out = comp.update(new, state, plan, freqs_cis, x.dtype, reference, kernel)
     if plan.tokens.numel():              # a shape, known on the host: no window closes here
         store(out, plan.emit_loc)
     return new
@@ -110,12 +110,12 @@ def read_kv_shared(cache: torch.Tensor, loc: torch.Tensor, page_size: int) -> to
 
 
 def attend(attn: Attention, q: torch.Tensor, qr: torch.Tensor, x: torch.Tensor,
-           freqs: torch.Tensor, meta: AttentionMetadata, caches, decode: bool) -> torch.Tensor:
+           freqs: torch.Tensor, meta: AttentionMetadata, options: Options, caches,
+           decode: bool) -> torch.Tensor:
     """Attention output [N, dim] of queries q [N, H, 512] (normed, rotated); caches is the
     layer's ``LayerCaches``. Decode: one op reading the FP8 rows in place
     (``hip_kernels.sparse_decode_attention``, a Triton kernel on a GPU). Extend: each distinct
     row is dequantized once for all the queries of a chunk, then the same math."""
-    options = meta.options
     n = q.shape[0]
     chunk = n if decode or n <= EXTEND_CHUNK else EXTEND_CHUNK
     outs = []
@@ -148,18 +148,18 @@ def attend(attn: Attention, q: torch.Tensor, qr: torch.Tensor, x: torch.Tensor,
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
-def store_compressed(caches, options: KernelOptions):
+def store_compressed(caches, kernel: KernelOptions):
     return lambda rows, loc: set_kv.fused_store_cache(rows, caches.compressed, loc,
                                                       caches.compressed_page_size,
-                                                      options=options)
+                                                      options=kernel)
 
 
-def store_index_keys(caches, options: KernelOptions):
+def store_index_keys(caches, kernel: KernelOptions):
     """The indexer keys' store: ``set_kv.indexer_store`` with a power-of-two scale per row
     (2^ceil(log2(amax / FP8_MAX))), so the FP4-simulated keys (e2m1 values times a power of
     two: fp8 values) read back exactly. One dispatcher op; rows with loc < 0 write nothing."""
     return lambda rows, loc: set_kv.indexer_store(rows, caches.index, loc, caches.index_page_size,
-                                                  pow2_scale=True, options=options)
+                                                  pow2_scale=True, options=kernel)
 
 
 class PagedAttention:
@@ -168,7 +168,7 @@ class PagedAttention:
 
     ``__call__`` runs the whole attention half of a step: prepare (Q projection; the window KV
     row normed, rotated and stored at ``meta.swa_write_loc``, fused with q's norm and RoPE; the
-    compressors; on side streams with ``meta.options.multi_stream_prepare``), then ``attend``.
+    compressors; on side streams with ``options.multi_stream_prepare``), then ``attend``.
     The layer's ``LayerCaches`` are made when it first sees a pool and kept while it is that
     pool (a pool allocates its buffers once)."""
 
@@ -186,47 +186,50 @@ class PagedAttention:
             self._bound = bound
         return bound[1]
 
-    def __call__(self, y: torch.Tensor, batch, meta: AttentionMetadata, pool,
+    def __call__(self, y: torch.Tensor, batch, meta: AttentionMetadata, options: Options, pool,
                  freqs_cis: torch.Tensor, ring_capture: RingRowCapture | None = None
                  ) -> torch.Tensor:
-        """Attention output [N, dim] of the normed hidden states y [N, dim]; freqs_cis: the
-        layer's RoPE table; ring_capture: where the ratio-4 ring rows it asks for go."""
+        """Attention output [N, dim] of the normed hidden states y [N, dim], computed with the
+        step's options; freqs_cis: the layer's RoPE table; ring_capture: where the ratio-4 ring
+        rows it asks for go."""
         caches = self.caches(pool)
-        multi_stream = meta.options.multi_stream_prepare
-        prepare = self.prepare_multi_stream if multi_stream else self.prepare
-        q, qr = prepare(y, batch, meta, pool, caches, freqs_cis, ring_capture)
+        prepare = self.prepare_multi_stream if options.multi_stream_prepare else self.prepare
+        q, qr = prepare(y, batch, meta, options, pool, caches, freqs_cis, ring_capture)
         freqs = freqs_cis[batch.positions.long()]
-        return attend(self.attn, q, qr, y, freqs, meta, caches, batch.is_decode)
+        return attend(self.attn, q, qr, y, freqs, meta, options, caches, batch.is_decode)
 
-    def project_q_store_kv(self, y, batch, meta, pool, caches, freqs_cis):
+    def project_q_store_kv(self, y, batch, meta, options, pool, caches, freqs_cis):
         """(q, qr): Q projection; window KV norm + RoPE + FP8 store into the layer's SWA buffer
         at the step's SWA write slots (or, when the metadata has none, at out_cache_loc
         translated inside the store kernel through the pool's mapping), fused with q's
         weightless norm + RoPE (in place)."""
-        q, qr = self.attn.project_q(y, meta.options.kernel)
-        kv = self.attn.project_kv(y, meta.options.kernel)
+        kernel = options.kernel
+        q, qr = self.attn.project_q(y, kernel)
+        kv = self.attn.project_kv(y, kernel)
         args = (kv, self.attn.kv_norm.weight, self.attn.eps, freqs_cis, batch.positions)
-        numerics, options = meta.options.store_numerics, meta.options.kernel
+        numerics = options.store_numerics
         if meta.swa_write_loc is None:
             set_kv.fused_translate_norm_rope_store(
                 *args, batch.out_cache_loc, pool.registered_mapping(), caches.swa,
-                caches.swa_page_size, q=q, numerics=numerics, options=options)
+                caches.swa_page_size, q=q, numerics=numerics, options=kernel)
         else:
             set_kv.fused_k_norm_rope_store(*args, meta.swa_write_loc, caches.swa,
                                            caches.swa_page_size, q=q, numerics=numerics,
-                                           options=options)
+                                           options=kernel)
         return q, qr
 
-    def prepare(self, y, batch, meta, pool, caches, freqs_cis, ring_capture=None):
+    def prepare(self, y, batch, meta, options, pool, caches, freqs_cis, ring_capture=None):
         """Everything on the current stream: Q, window KV store, compressors. (q, qr)."""
-        q, qr = self.project_q_store_kv(y, batch, meta, pool, caches, freqs_cis)
+        q, qr = self.project_q_store_kv(y, batch, meta, options, pool, caches, freqs_cis)
         if self.ratio:
-            self._run_compressor(y, batch, meta, caches, freqs_cis, ring_capture)
+            self._run_compressor(y, batch, meta, options, caches, freqs_cis, ring_capture)
         if self.attn.indexer is not None:
-            self._run_indexer_compressor(y, batch, meta, caches, freqs_cis, ring_capture)
+            self._run_indexer_compressor(y, batch, meta, options, caches, freqs_cis,
+                                         ring_capture)
         return q, qr
 
-    def prepare_multi_stream(self, y, batch, meta, pool, caches, freqs_cis, ring_capture=None):
+    def prepare_multi_stream(self, y, batch, meta, options, pool, caches, freqs_cis,
+                             ring_capture=None):
         """The compressors on side streams, Q/KV and the window store on the main stream, joined
         before the indexer scoring and the attention. Same results as ``prepare``."""
         main = streams.current_stream(y.device)
@@ -235,11 +238,12 @@ class PagedAttention:
             s.wait_stream(main)                       # y is ready
         if self.ratio:
             with streams.on_stream(side[0]):
-                self._run_compressor(y, batch, meta, caches, freqs_cis, ring_capture)
+                self._run_compressor(y, batch, meta, options, caches, freqs_cis, ring_capture)
         if self.attn.indexer is not None:
             with streams.on_stream(side[1]):
-                self._run_indexer_compressor(y, batch, meta, caches, freqs_cis, ring_capture)
-        q, qr = self.project_q_store_kv(y, batch, meta, pool, caches, freqs_cis)
+                self._run_indexer_compressor(y, batch, meta, options, caches, freqs_cis,
+                                             ring_capture)
+        q, qr = self.project_q_store_kv(y, batch, meta, options, pool, caches, freqs_cis)
         for s in side:
             main.wait_stream(s)
         return q, qr
@@ -249,16 +253,16 @@ class PagedAttention:
             self._streams = (streams.new_stream(device), streams.new_stream(device))
         return self._streams
 
-    def _run_compressor(self, y, batch, meta, caches, freqs_cis, ring_capture):
+    def _run_compressor(self, y, batch, meta, options, caches, freqs_cis, ring_capture):
         new = run_compressor(self.attn.compressor, y, batch.positions, meta.plans[self.ratio],
-                             caches.state, store_compressed(caches, meta.options.kernel),
-                             freqs_cis, meta.options.reference, meta.options.kernel)
+                             caches.state, store_compressed(caches, options.kernel),
+                             freqs_cis, options.reference, options.kernel)
         if self.ratio == 4 and ring_capture is not None:
             ring_capture.keep("compressor_state", self.layer_id, new)
 
-    def _run_indexer_compressor(self, y, batch, meta, caches, freqs_cis, ring_capture):
+    def _run_indexer_compressor(self, y, batch, meta, options, caches, freqs_cis, ring_capture):
         new = run_compressor(self.attn.indexer.compressor, y, batch.positions, meta.plans[4],
-                             caches.index_state, store_index_keys(caches, meta.options.kernel),
-                             freqs_cis, meta.options.reference, meta.options.kernel)
+                             caches.index_state, store_index_keys(caches, options.kernel),
+                             freqs_cis, options.reference, options.kernel)
         if ring_capture is not None:
             ring_capture.keep("indexer_compressor_state", self.layer_id, new)

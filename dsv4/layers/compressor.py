@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hip_kernels.compressor_update import compressor_project, compressor_update, pool_windows
+from hip_kernels.compressor_update import compressor_project, compressor_update
 from hip_kernels.options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 
 from .linear import Linear
@@ -54,15 +54,15 @@ class Compressor(nn.Module):
         return self.coff * self.ratio
 
     def project(self, x: torch.Tensor, positions: torch.Tensor,
-                options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
+                kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
         """This step's rows [N, 2 * coff*d]: kv | score (ape included), fp32 (one op,
         ``hip_kernels.compressor_project``)."""
         return compressor_project(x, self.wkv.weight, self.wgate.weight, self.ape, positions,
-                                  self.ratio, options=options)
+                                  self.ratio, options=kernel)
 
     def update(self, new: torch.Tensor, state: torch.Tensor, plan, freqs_cis: torch.Tensor,
                dtype: torch.dtype, reference: bool,
-               options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
+               kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
         """Compressed rows [M, d] in dtype of the plan's candidate windows (pooled from the
         ring state and this step's rows new, then finished: see the module docstring), and new
         kept in the ring at plan.state_write; one op (``hip_kernels.compressor_update``).
@@ -71,11 +71,4 @@ class Compressor(nn.Module):
                                  ratio=self.ratio, head_dim=self.head_dim,
                                  rope_dim=self.rope_dim, overlap=self.overlap,
                                  rotate=self.rotate, reference=reference, dtype=dtype,
-                                 options=options)
-
-    def pool(self, kv: torch.Tensor, score: torch.Tensor,
-             has_prev: torch.Tensor | None = None) -> torch.Tensor:
-        """Pool windows: kv, score [M, window_rows, coff*d] in position order (with overlap the
-        first ``ratio`` rows are the previous window); has_prev [M] bool says whether that previous
-        window exists (rows of a missing one are ignored, whatever they hold). fp32 [M, d]."""
-        return pool_windows(kv, score, has_prev, self.head_dim, self.ratio, self.overlap)
+                                 options=kernel)

@@ -47,11 +47,11 @@ class Indexer(nn.Module):
                                      cfg.norm_eps, rotate=True, device=device)
 
     def project_q(self, qr: torch.Tensor, freqs_cis: torch.Tensor, reference: bool,
-                  options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
+                  kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
         """Index queries [N, Hi, 128] (RoPE at the token positions, rotated, FP4-simulated: one
         op after wq_b, ``hip_kernels.indexer_query``)."""
-        return indexer_query(self.wq_b(qr, options), freqs_cis, self.n_local_heads,
-                             self.rope_dim, reference=reference, options=options)
+        return indexer_query(self.wq_b(qr, kernel), freqs_cis, self.n_local_heads,
+                             self.rope_dim, reference=reference, options=kernel)
 
     def head_weights(self, x: torch.Tensor, reference: bool) -> torch.Tensor:
         """Per-head weights [N, Hi]: bf16 (the model dtype) in reference numerics, else fp32."""

@@ -9,7 +9,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from hip_kernels import aiter_ops, moe_route, moe_routed, moe_shared
-from hip_kernels.moe_fused import biased_gate  # noqa: F401 (the aiter tests' oracle)
 from hip_kernels.options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 
 from ..options import Options
@@ -166,12 +165,12 @@ class MoE(nn.Module):
                                       native) if cfg.n_shared_experts else None)
 
     def routed(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
-               options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
+               kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
         """sum over each token's chosen experts of weight * expert(x), fp32 [N, dim], one
         ``hip_kernels.moe_routed`` op; per token the experts are added in ascending expert
         order."""
         return moe_routed(x, weights, indices, **self.experts.mlp_weights(),
-                          swiglu_limit=self.swiglu_limit, options=options)
+                          swiglu_limit=self.swiglu_limit, options=kernel)
 
     def local_routing(self, weights: torch.Tensor, indices: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor]:

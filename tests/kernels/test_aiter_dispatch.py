@@ -13,8 +13,8 @@ import types
 import pytest
 import torch
 
-from dsv4.layers.moe import biased_gate
 from hip_kernels import KernelOptions, aiter_ops, platform
+from hip_kernels.moe_fused import biased_gate
 
 
 def _make_stub() -> types.ModuleType:

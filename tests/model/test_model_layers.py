@@ -15,7 +15,8 @@ from dsv4.layers.moe import MoE
 from hip_kernels.activation_sim import fp4_quant_dequant, hadamard_rotate, round_to_e2m1
 from dsv4.layers.rope import (apply_rotary_emb, find_correction_range, layer_freqs_cis,
                               rope_frequencies)
-from hip_kernels import capture
+from hip_kernels import capture, mhc_split
+from hip_kernels.compressor_update import pool_windows
 
 OPTIONS = Options()
 TINY = ModelConfig.preset("tiny")
@@ -63,8 +64,8 @@ def test_rope_is_interleaved_relative_and_inverted_by_the_conjugate():
 def test_sinkhorn_gives_a_doubly_stochastic_comb():
     hc = 4
     mixes = torch.randn(5, (2 + hc) * hc)
-    pre, post, comb = mhc.hc_split(mixes, torch.tensor([1.0, 1.0, 1.0]), torch.zeros(24), hc, 20,
-                                   1e-6, reference=True, options=OPTIONS.kernel)
+    pre, post, comb = mhc_split.hc_split(mixes, torch.tensor([1.0, 1.0, 1.0]), torch.zeros(24),
+                                         hc, 20, 1e-6, reference=True)
     assert (comb > 0).all() and (pre > 0).all() and ((post > 0) & (post < 2)).all()
     # 20 iterations end on a column step: columns sum to 1, rows nearly (Sinkhorn converges)
     torch.testing.assert_close(comb.sum(-1), torch.ones(5, hc), atol=1e-2, rtol=0)
@@ -75,7 +76,7 @@ def test_hc_pre_post_match_the_dense_restatement():
     x = torch.randn(6, 4, 64).to(torch.bfloat16)
     fn, base, scale = torch.randn(24, 256) / 16, torch.randn(24), torch.rand(3)
     y, post, comb = mhc.hc_pre(x, fn, scale, base, 1e-6, 20, 1e-6, reference=True,
-                               options=OPTIONS.kernel)
+                               kernel=OPTIONS.kernel)
     pre_r, post_r, comb_r = ref.hc_weights(x, fn, scale, base, TINY)
     torch.testing.assert_close(y, ref.hc_combine(x, pre_r))
     torch.testing.assert_close(comb, comb_r)
@@ -112,6 +113,8 @@ def test_hadamard_is_orthonormal_and_matches_the_dense_restatement(reference):
 
 @pytest.mark.parametrize("ratio", [4, 128])
 def test_compressor_pool_matches_a_per_channel_loop(ratio):
+    """The compressor's pooling (``pool_windows``, which its update op runs) over a layer's
+    window rows."""
     torch.manual_seed(0)
     c = Compressor(64, 512, 64, ratio, 1e-6)
     rows = c.window_rows
@@ -119,7 +122,7 @@ def test_compressor_pool_matches_a_per_channel_loop(ratio):
     has_prev = torch.tensor([True, False, True])
     if ratio == 4:
         kv[1, :ratio] = float("nan")                # a missing previous window is never read
-    out = c.pool(kv, score, has_prev)
+    out = pool_windows(kv, score, has_prev, c.head_dim, c.ratio, c.overlap)
     for m in range(3):
         if ratio == 4:
             lo = 0 if has_prev[m] else ratio
