@@ -23,13 +23,13 @@ load nothing (a poisoned row at an invalid slot cannot leak) and get probability
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from . import kv_layout as L
+from .platform import triton_interpreted
 from .triton_kv_row import (HEAD_DIM, NOPE_DIM, TILE, UE8M0_BIAS, fp8_type, kv_scale_offset,
                             kv_value_offset)
 
@@ -194,7 +194,7 @@ def sparse_decode_attention_triton(q, swa_cache, window_loc, window_valid, swa_p
     if comp_cache is None:   # an empty segment: any tensor stands for its pointers
         comp_cache, comp_loc, comp_valid = swa_cache, window_loc[:, :0], window_valid[:, :0]
         comp_page_size = swa_page_size
-    dot_bf16 = q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") != "1"
+    dot_bf16 = q.dtype == torch.bfloat16 and not triton_interpreted()
     grid = (n, triton.cdiv(n_heads, BLOCK_H))
     sparse_decode_attention_kernel[grid](
         q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), sink, float(scale),

@@ -19,12 +19,12 @@ outside the cache reads nothing and scores NaN, like a poisoned key.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from .platform import triton_interpreted
 from .triton_kv_row import INDEX_DIM, fp8_constexprs, indexer_offsets
 
 BLOCK_C = 64
@@ -105,7 +105,7 @@ def indexer_scores_triton(q: torch.Tensor, weights: torch.Tensor, cache: torch.T
     if n and c:
         fp8 = fp8_constexprs(dialect)["FP8"]
         bf16 = weights.dtype == torch.bfloat16
-        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+        interpreted = triton_interpreted()
         indexer_scores_kernel[(n, triton.cdiv(c, BLOCK_C))](
             q, q.stride(0), q.stride(1), weights, weights.stride(0), cache, loc, loc.stride(0),
             valid, valid.stride(0), out, n_heads, c, cache.shape[0] * page_size,

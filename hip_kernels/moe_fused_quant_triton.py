@@ -24,14 +24,13 @@ down GEMM's quantization: agreement within a stated tolerance, not bit for bit.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from .moe_fused_triton import next_pair, pair_of, weighted_swiglu
-from .platform import DIALECTS, FNUZ, OCP
+from .platform import DIALECTS, FNUZ, OCP, triton_interpreted
 from .quant_linear_triton import LAUNCH_OPTIONS, fp4_k128, fp8_k128
 from .triton_kv_row import fp8_type
 
@@ -122,7 +121,7 @@ def _format(fp4: bool, weight: torch.Tensor, scale: torch.Tensor, dialect: str) 
     """The kernels' format constexprs. FP4: the platform's fp8 rounds the activations (fnuz: on
     half the grid, then doubled); FP8: the weight's dtype is the dialect (fnuz activations
     stored halved with a doubled scale), as `quant_linear_triton` launches them."""
-    exact = os.environ.get("TRITON_INTERPRET") == "1"
+    exact = triton_interpreted()
     if fp4:
         act = DIALECTS[dialect]
         return {"FP4": True, "FP8": fp8_type(act), "HALVES": act is FNUZ, "SCALE_E8M0": True,

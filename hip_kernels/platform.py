@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +73,13 @@ def fp8_dialect() -> Fp8Dialect:
     if choice != "auto":
         return DIALECTS[choice]
     return dialect_for_arch(gpu_arch())
+
+
+def triton_interpreted() -> bool:
+    """Whether Triton runs its CPU interpreter (TRITON_INTERPRET=1, which triton reads when it is
+    first imported): kernels then run on CPU tensors, and a few launchers pick the exact
+    arithmetic the interpreter gets right over the fast one a GPU has."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def default_device() -> torch.device:

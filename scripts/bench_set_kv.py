@@ -31,14 +31,13 @@ Run: python scripts/bench_set_kv.py [--quick] [--out FILE.json] [--ns 1,8,64,256
 
 from __future__ import annotations
 
-import os
 
 import torch
 
 import bench_common as bc
 from hip_kernels import kv_layout as L
 from hip_kernels.backend import HIP_OPS, triton_usable
-from hip_kernels.platform import fp8_dialect
+from hip_kernels.platform import fp8_dialect, triton_interpreted
 from hip_kernels.set_kv_ops import implementation
 
 OPS = ("fused_k_norm_rope_store", "fused_store_cache", "fused_translate_norm_rope_store",
@@ -188,7 +187,7 @@ def main(argv=None) -> dict:
     config = {k: getattr(args, k) for k in ("ns", "backends", "page_size", "pages", "heads",
                                             "warmup", "reps")}
     config["fp8_dialect"] = fp8_dialect().name
-    config["triton_interpret"] = os.environ.get("TRITON_INTERPRET") == "1"
+    config["triton_interpret"] = triton_interpreted()
     record = bc.new_record("bench_set_kv", args, config)
     record["peak_hbm_bytes_per_s"] = peak_hbm_bytes_per_s()
     skipped = {b: r for b in args.backends if (r := skip_reason(b, args.asked))}
