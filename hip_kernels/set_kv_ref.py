@@ -46,11 +46,6 @@ def rms_norm_bf16_ops(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
 
 
-def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim of a bf16 tensor, result bf16 (weight None = weightless)."""
-    return rms_norm_fp32(x, weight, eps).to(torch.bfloat16)
-
-
 def rope_bf16(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Interleaved RoPE of bf16 x [..., 64] with cos/sin [..., 32] (broadcast), result bf16."""
     a = x[..., 0::2].float()
