@@ -62,7 +62,7 @@ class DeepseekV4DecoderLayer(nn.Module):
         c = self.config
         return mhc.hc_pre(x, getattr(self, f"hc_{part}_fn"), getattr(self, f"hc_{part}_scale"),
                           getattr(self, f"hc_{part}_base"), c.norm_eps, c.hc_sinkhorn_iters,
-                          c.hc_eps, reference=options.reference, options=options.kernel,
+                          c.hc_eps, reference=options.reference, kernel=options.kernel,
                           norm=norm)
 
     def attn_input(self, x: torch.Tensor, options: Options):

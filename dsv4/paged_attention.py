@@ -77,14 +77,14 @@ class RingRowCapture:
 
 def run_compressor(comp: Compressor, x: torch.Tensor, positions: torch.Tensor, plan: CompressPlan,
                    state: torch.Tensor, store, freqs_cis: torch.Tensor, reference: bool,
-                   options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
+                   kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
     """One step of a compressor (two ops and the store): pool every candidate's window (rows
     from the state ring or from this step), keep this step's (kv, score) rows in the ring, emit
     the boundary rows through ``store(rows, loc)`` (negative loc = skip). state: fp32 [ring rows, 2 * width];
-    reference: the reference numerics; options: the two ops' backend. Returns this step's
+    reference: the reference numerics; kernel: the two ops' backend. Returns this step's
     (kv, score) rows [N, 2 * width], the rows a ring would keep."""
-    new = comp.project(x, positions, options)
-    out = comp.update(new, state, plan, freqs_cis, x.dtype, reference, options)
+    new = comp.project(x, positions, kernel)
+    out = comp.update(new, state, plan, freqs_cis, x.dtype, reference, kernel)
     if plan.tokens.numel():              # a shape, known on the host: no window closes here
         store(out, plan.emit_loc)
     return new
@@ -97,9 +97,9 @@ def select_rows(indexer: Indexer, qr, x, freqs, plan: CompressPlan, rows: slice,
     q = indexer.project_q(qr, freqs, options.reference, options.kernel)
     w = indexer.head_weights(x, options.reference)
     loc, visible = plan.row_loc[rows], plan.row_valid[rows]
-    scores = indexer_scores(q, w, cache, loc, visible, page_size, options=options.kernel)
+    scores = indexer_scores(q, w, cache, loc, visible, page_size, kernel=options.kernel)
     pick = indexer.select(scores, visible, options, plan.row_width[rows])
-    return picked_rows(loc, pick, options=options.kernel)
+    return picked_rows(loc, pick, kernel=options.kernel)
 
 
 def read_kv_shared(cache: torch.Tensor, loc: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -135,7 +135,7 @@ def attend(attn: Attention, q: torch.Tensor, qr: torch.Tensor, x: torch.Tensor,
                 q[rows], caches.swa, *window, caches.swa_page_size,
                 caches.compressed if comp else None, *(comp or (None, None)),
                 caches.compressed_page_size, attn.attn_sink, attn.softmax_scale,
-                options.reference, options=options.kernel)
+                options.reference, kernel=options.kernel)
         else:
             kv = [read_kv_shared(caches.swa, window[0], caches.swa_page_size)]
             valid = [window[1]]
@@ -148,18 +148,18 @@ def attend(attn: Attention, q: torch.Tensor, qr: torch.Tensor, x: torch.Tensor,
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
-def store_compressed(caches, options: KernelOptions):
+def store_compressed(caches, kernel: KernelOptions):
     return lambda rows, loc: set_kv.fused_store_cache(rows, caches.compressed, loc,
                                                       caches.compressed_page_size,
-                                                      options=options)
+                                                      kernel=kernel)
 
 
-def store_index_keys(caches, options: KernelOptions):
+def store_index_keys(caches, kernel: KernelOptions):
     """The indexer keys' store: ``set_kv.indexer_store`` with a power-of-two scale per row
     (2^ceil(log2(amax / FP8_MAX))), so the FP4-simulated keys (e2m1 values times a power of
     two: fp8 values) read back exactly. One dispatcher op; rows with loc < 0 write nothing."""
     return lambda rows, loc: set_kv.indexer_store(rows, caches.index, loc, caches.index_page_size,
-                                                  pow2_scale=True, options=options)
+                                                  pow2_scale=True, kernel=kernel)
 
 
 class PagedAttention:
@@ -206,15 +206,15 @@ class PagedAttention:
         q, qr = self.attn.project_q(y, meta.options.kernel)
         kv = self.attn.project_kv(y, meta.options.kernel)
         args = (kv, self.attn.kv_norm.weight, self.attn.eps, freqs_cis, batch.positions)
-        numerics, options = meta.options.store_numerics, meta.options.kernel
+        numerics, kernel = meta.options.store_numerics, meta.options.kernel
         if meta.swa_write_loc is None:
             set_kv.fused_translate_norm_rope_store(
                 *args, batch.out_cache_loc, pool.registered_mapping(), caches.swa,
-                caches.swa_page_size, q=q, numerics=numerics, options=options)
+                caches.swa_page_size, q=q, numerics=numerics, kernel=kernel)
         else:
             set_kv.fused_k_norm_rope_store(*args, meta.swa_write_loc, caches.swa,
                                            caches.swa_page_size, q=q, numerics=numerics,
-                                           options=options)
+                                           kernel=kernel)
         return q, qr
 
     def prepare(self, y, batch, meta, pool, caches, freqs_cis, ring_capture=None):

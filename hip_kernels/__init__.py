@@ -4,7 +4,7 @@ set-KV family (`set_kv`), mHC's split with its Sinkhorn normalisation (`mhc_spli
 (`moe_fused`), the sparse decode attention (`decode_attention`), the indexer's scores
 (`indexer_scores`) and the quantized linears of the FP8/FP4 checkpoints (`quant_linear`), each a
 dispatcher op of the `dsv4` library (`library`). Every op takes its choices as values:
-`options` (a `KernelOptions`: backend, host checks, aiter) and its numerics.
+`kernel` (a `KernelOptions`: backend, host checks, aiter) and its numerics.
 
 This package imports only torch (triton and compiled extensions are imported lazily inside the
 functions that need them), so ``import hip_kernels`` works on a machine without triton.

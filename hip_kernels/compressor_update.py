@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from .activation_sim import FP4_BLOCK, fp4_quant_dequant, hadamard_rotate
 from .backend import resolve
-from .checks import check_options, check_tensor
+from .checks import check_kernel, check_tensor
 from .library import define_op, ops
 from .options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 from .rms_norm import rms_norm_ref
@@ -134,18 +134,18 @@ def _update_triton_ok(state: torch.Tensor, head_dim: int, rope_dim: int, rotate:
 
 def compressor_project(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor,
                        ape: torch.Tensor, positions: torch.Tensor, ratio: int, *,
-                       options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
+                       kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
     """fp32 [N, 2 * width] (kv | score) of x [N, dim] with the fp32 weights wkv, wgate
-    [width, dim] and ape [ratio, width]; positions [N] (integer). options.backend picks the
+    [width, dim] and ape [ratio, width]; positions [N] (integer). kernel.backend picks the
     backend (no HIP version)."""
-    check_options(options)
+    check_kernel(kernel)
     check_tensor("x", x, dim=2)
     check_tensor("wkv", wkv, dtype=torch.float32, shape=(None, x.shape[1]), device=x.device)
     check_tensor("wgate", wgate, dtype=torch.float32, shape=tuple(wkv.shape), device=x.device)
     check_tensor("ape", ape, dtype=torch.float32, shape=(ratio, wkv.shape[0]), device=x.device)
     check_tensor("positions", positions, dtypes=(torch.int32, torch.int64),
                  shape=(x.shape[0],), device=x.device)
-    backend = resolve("compressor_project", x.device, options.backend)
+    backend = resolve("compressor_project", x.device, kernel.backend)
     return ops.compressor_project(x.contiguous(), wkv.contiguous(), wgate.contiguous(),
                                   ape.contiguous(), positions.contiguous(), ratio, backend)
 
@@ -153,15 +153,15 @@ def compressor_project(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor,
 def compressor_update(new: torch.Tensor, state: torch.Tensor, plan, freqs_table: torch.Tensor,
                       norm_weight: torch.Tensor, eps: float, *, ratio: int, head_dim: int,
                       rope_dim: int, overlap: bool, rotate: bool, reference: bool,
-                      dtype: torch.dtype, options: KernelOptions = DEFAULT_KERNEL_OPTIONS
+                      dtype: torch.dtype, kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS
                       ) -> torch.Tensor:
     """The M compressed rows [M, head_dim] in dtype of the plan's candidate windows, and this
     step's rows new [N, 2 * width] written into the ring state [rows, 2 * width] (fp32, in
     place) at plan.state_write (-1: not kept). plan: the step's compressor plan for this ratio
     (src_state, src_new [M, R], has_prev, window_start [M], state_write [N]); freqs_table: the
-    layer's RoPE table [positions, rope_dim / 2]. options.backend picks the backend (no HIP
+    layer's RoPE table [positions, rope_dim / 2]. kernel.backend picks the backend (no HIP
     version); a head_dim / rope_dim the Triton kernel does not cover runs the torch reference."""
-    check_options(options)
+    check_kernel(kernel)
     check_tensor("new", new, dtype=torch.float32, dim=2)
     if new.shape[1] != 2 * (2 if overlap else 1) * head_dim:
         raise ValueError(f"new must have 2 * {2 if overlap else 1} * head_dim = "
@@ -177,7 +177,7 @@ def compressor_update(new: torch.Tensor, state: torch.Tensor, plan, freqs_table:
     check_tensor("freqs_table", freqs_table, dtype=torch.complex64, shape=(None, rope_dim // 2),
                  device=new.device)
     check_tensor("norm_weight", norm_weight, shape=(head_dim,), device=new.device)
-    backend = resolve("compressor_update", new.device, options.backend,
+    backend = resolve("compressor_update", new.device, kernel.backend,
                       triton_ok=_update_triton_ok(state, head_dim, rope_dim, rotate))
     return ops.compressor_update(new.contiguous(), state, plan.src_state.contiguous(),
                                  plan.src_new.contiguous(), plan.has_prev.contiguous(),

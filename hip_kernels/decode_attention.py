@@ -31,7 +31,7 @@ import torch
 
 from . import kv_layout
 from .backend import resolve
-from .checks import check_cache, check_options, check_page_size, check_tensor
+from .checks import check_cache, check_kernel, check_page_size, check_tensor
 from .library import define_op, ops
 from .options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 from .platform import DIALECTS, fp8_dialect
@@ -159,14 +159,14 @@ def sparse_decode_attention(q: torch.Tensor, swa_cache: torch.Tensor, window_loc
                             comp_cache: torch.Tensor | None, comp_loc: torch.Tensor | None,
                             comp_valid: torch.Tensor | None, comp_page_size: int,
                             sink: torch.Tensor, scale: float, reference: bool, *,
-                            options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
+                            kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
     """o [N, H, 512] in q's dtype: q [N, H, 512] (bf16) attending its window rows (SWA cache
     slots window_loc [N, W], valid [N, W]) and compressed rows (comp_loc [N, K] of comp_cache,
     valid [N, K]; comp_cache None: no compressed segment), sink [H] fp32. Invalid rows are
     never read (their loc is 0 by convention); every query must have a valid row (its own
-    window slot does). reference: DeepSeek-V4's reference numerics (see above); options picks
-    the backend."""
-    check_options(options)
+    window slot does). reference: DeepSeek-V4's reference numerics (see above); kernel.backend
+    picks the backend."""
+    check_kernel(kernel)
     dev = q.device
     check_tensor("q", q, dtypes=(torch.bfloat16, torch.float32),
                  shape=(None, None, kv_layout.HEAD_DIM))
@@ -192,4 +192,4 @@ def sparse_decode_attention(q: torch.Tensor, swa_cache: torch.Tensor, window_loc
         swa_page_size, comp_cache, None if comp_loc is None else comp_loc.contiguous(),
         None if comp_valid is None else comp_valid.contiguous(),
         comp_page_size if comp_cache is not None else 1, sink.contiguous(), float(scale),
-        bool(reference), resolve(OP, dev, options.backend), fp8_dialect().name)
+        bool(reference), resolve(OP, dev, kernel.backend), fp8_dialect().name)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from .backend import resolve
-from .checks import check_options, check_tensor
+from .checks import check_kernel, check_tensor
 from .library import define_op, ops
 from .options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 from .rotary import rope_tail
@@ -50,11 +50,11 @@ define_op(OP, "(Tensor o, Tensor freqs_cis, Tensor weight, int n_groups, int rop
 
 def grouped_out_proj(o: torch.Tensor, freqs_cis: torch.Tensor, weight: torch.Tensor,
                      n_groups: int, rope_dim: int, *,
-                     options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
+                     kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
     """[N, n_groups * R] in o's dtype from the attention output o [N, H, D], each token's RoPE
     factors freqs_cis [N, rope_dim / 2] (complex64, applied conjugated) and wo_a's weight
     [n_groups * R, H * D / n_groups] (o's dtype)."""
-    check_options(options)
+    check_kernel(kernel)
     check_tensor("o", o, dtypes=(torch.bfloat16, torch.float16, torch.float32), dim=3)
     n, h, d = o.shape
     if isinstance(n_groups, bool) or not isinstance(n_groups, int) or n_groups < 1 \
@@ -70,6 +70,6 @@ def grouped_out_proj(o: torch.Tensor, freqs_cis: torch.Tensor, weight: torch.Ten
     if weight.shape[0] % n_groups:
         raise ValueError(f"weight's {weight.shape[0]} rows must split into {n_groups} groups")
     # the kernel rotates aligned pairs of a tile: an odd head dim runs the reference
-    backend = resolve(OP, o.device, options.backend, triton_ok=d % 2 == 0)
+    backend = resolve(OP, o.device, kernel.backend, triton_ok=d % 2 == 0)
     return ops.grouped_out_proj(o.contiguous(), freqs_cis.contiguous(), weight.contiguous(),
                                 n_groups, rope_dim, backend)

@@ -24,7 +24,7 @@ import torch
 
 from . import kv_layout
 from .backend import resolve
-from .checks import (check_cache, check_options, check_page_size, check_tensor,
+from .checks import (check_cache, check_kernel, check_page_size, check_tensor,
                      value_checks_enabled)
 from .library import define_op, ops
 from .options import DEFAULT_KERNEL_OPTIONS, KernelOptions
@@ -60,7 +60,7 @@ define_op(OP, "(Tensor q, Tensor weights, Tensor cache, Tensor loc, Tensor valid
           "int page_size, str backend, str dialect) -> Tensor", _impl, _fake)
 
 
-def _check_args(q, weights, cache, loc, valid, page_size, options) -> None:
+def _check_args(q, weights, cache, loc, valid, page_size, kernel) -> None:
     check_tensor("q", q, dtypes=Q_DTYPES, shape=(None, None, kv_layout.INDEX_DIM))
     n, heads = q.shape[:2]
     dev = q.device
@@ -69,7 +69,7 @@ def _check_args(q, weights, cache, loc, valid, page_size, options) -> None:
     check_cache("cache", cache, kv_layout.indexer_page_bytes(page_size), page_size, dev)
     check_tensor("loc", loc, dtypes=(torch.int64, torch.int32), shape=(n, None), device=dev)
     check_tensor("valid", valid, dtype=torch.bool, shape=tuple(loc.shape), device=dev)
-    if loc.numel() and value_checks_enabled(options):
+    if loc.numel() and value_checks_enabled(kernel):
         capacity = cache.shape[0] * page_size
         lo, hi = torch.stack(torch.where(valid, loc, 0).aminmax()).tolist()
         if lo < 0 or hi >= capacity:
@@ -79,7 +79,7 @@ def _check_args(q, weights, cache, loc, valid, page_size, options) -> None:
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor,
                    valid: torch.Tensor, page_size: int, *,
-                   options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
+                   kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
     """Scores [N, C] in weights' dtype of queries q [N, Hi, 128] (fp32 or bf16) with per-head
     weights [N, Hi] (bf16: reference numerics; fp32: fp32 numerics) against the indexer keys at
     loc [N, C] (int64 or int32) of cache (uint8 [pages, indexer_page_bytes(page_size)]).
@@ -87,11 +87,11 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, 
     convention).
 
     The valid locations are range-checked on the host (one read) unless value checks are off
-    (inside graph capture, `trusted_locations()`, options.value_checks False); the Triton
+    (inside graph capture, `trusted_locations()`, kernel.value_checks False); the Triton
     kernel then scores a valid location outside the cache NaN, never reading past it. The
-    backend: options.backend (no HIP version: hip runs Triton where it can)."""
-    check_options(options)
-    _check_args(q, weights, cache, loc, valid, page_size, options)
+    backend: kernel.backend (no HIP version: hip runs Triton where it can)."""
+    check_kernel(kernel)
+    _check_args(q, weights, cache, loc, valid, page_size, kernel)
     return ops.indexer_scores(q.contiguous(), weights.contiguous(), cache, loc.contiguous(),
-                              valid.contiguous(), page_size, resolve(OP, q.device, options.backend),
+                              valid.contiguous(), page_size, resolve(OP, q.device, kernel.backend),
                               fp8_dialect().name)

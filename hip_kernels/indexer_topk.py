@@ -6,7 +6,7 @@ the top k of each query's scores among its visible rows, -1 where fewer rows are
     pick = idx, -1 where vals == -inf
 
 The torch reference (``indexer_topk_ref``) is the CPU path and the oracle. On aiter (`use_aiter`:
-the caller's options and numerics allow it, resolved on the host) the op runs aiter's top-k. Else
+the caller's KernelOptions and numerics allow it, resolved on the host) the op runs aiter's top-k. Else
 on a GPU it runs the Triton kernel (``indexer_topk_triton``, one program per query row, chosen by
 ``backend.resolve`` from the caller's ``KernelOptions``): it returns exactly ``topk_by_key``'s
 choice over the masked row (with or without ``width``: ties go to the lower column), -1 where the
@@ -30,7 +30,7 @@ import torch
 
 from . import aiter_ops
 from .backend import resolve
-from .checks import check_options, check_tensor
+from .checks import check_kernel, check_tensor
 from .library import define_op, ops
 from .options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 
@@ -96,15 +96,15 @@ define_op(OP, "(Tensor scores, Tensor visible, int k, bool use_aiter, Tensor? wi
 
 def indexer_topk(scores: torch.Tensor, visible: torch.Tensor, k: int, *,
                  use_aiter: bool, width: torch.Tensor | None = None,
-                 options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
+                 kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
     """int64 [N, k] column indices of the k largest visible scores of each row of scores
     [N, T] (visible: bool [N, T]), in descending order, -1 past a row's visible count.
     use_aiter: ``aiter_ops.topk_uses_aiter`` for this call (decided by the caller). width
     (int64 [N], optional): each row's candidate count; columns past it are never picked and
-    do not change the choice (see the module docstring). options.backend picks the backend
+    do not change the choice (see the module docstring). kernel.backend picks the backend
     where aiter is not used (no HIP version; scores other than fp32/bf16/fp16 run the torch
     reference)."""
-    check_options(options)
+    check_kernel(kernel)
     check_tensor("scores", scores, dim=2)
     check_tensor("visible", visible, dtype=torch.bool, shape=tuple(scores.shape),
                  device=scores.device)
@@ -113,7 +113,7 @@ def indexer_topk(scores: torch.Tensor, visible: torch.Tensor, k: int, *,
     if width is not None:
         check_tensor("width", width, dtype=torch.int64, shape=(scores.shape[0],),
                      device=scores.device)
-    backend = resolve(OP, scores.device, options.backend,
+    backend = resolve(OP, scores.device, kernel.backend,
                       triton_ok=not use_aiter and scores.dtype in TRITON_DTYPES)
     if backend == "triton":
         scores, visible = scores.contiguous(), visible.contiguous()
@@ -141,14 +141,14 @@ define_op("picked_rows", "(Tensor loc, Tensor pick, str backend) -> (Tensor, Ten
 
 
 def picked_rows(loc: torch.Tensor, pick: torch.Tensor, *,
-                options: KernelOptions = DEFAULT_KERNEL_OPTIONS
+                kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(the picked rows' locations [N, k], valid [N, k]) from each query's candidate locations
     loc [N, T] and ``indexer_topk``'s pick [N, k] (-1: none, the row's first location, not
-    valid; entries of pick below T): one op. options.backend picks the backend (no HIP
+    valid; entries of pick below T): one op. kernel.backend picks the backend (no HIP
     version)."""
-    check_options(options)
+    check_kernel(kernel)
     check_tensor("loc", loc, dim=2)
     check_tensor("pick", pick, dtype=torch.int64, shape=(loc.shape[0], None), device=loc.device)
-    backend = resolve("picked_rows", loc.device, options.backend)
+    backend = resolve("picked_rows", loc.device, kernel.backend)
     return ops.picked_rows(loc, pick.contiguous() if backend == "triton" else pick, backend)

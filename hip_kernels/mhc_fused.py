@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from .backend import resolve
-from .checks import check_options, check_tensor
+from .checks import check_kernel, check_tensor
 from .library import define_op, ops
 from .mhc_split import hc_split_ref
 from .options import DEFAULT_KERNEL_OPTIONS, KernelOptions
@@ -98,15 +98,15 @@ def _is_pow2(n: int) -> bool:
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
            norm_weight: torch.Tensor | None, *, mix_eps: float, iters: int, hc_eps: float,
            norm_eps: float, reference: bool = True,
-           options: KernelOptions = DEFAULT_KERNEL_OPTIONS
+           kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mHC pre and the RMSNorm after it: (normed block input [N, D] in x's dtype, post fp32
     [N, hc], comb fp32 [N, hc, hc]) from x [N, hc, D]; fn [(2 + hc) hc, hc D], scale [3],
     base [(2 + hc) hc], norm_weight [D] (None: no norm, y itself) with its eps norm_eps (no
     default: a norm's eps is the model's; unused without norm_weight). reference: DeepSeek-V4's
-    reference numerics (the Sinkhorn's softmax, see `mhc_split`). options.backend picks the
+    reference numerics (the Sinkhorn's softmax, see `mhc_split`). kernel.backend picks the
     backend (no HIP version); an hc that is not a power of two runs the torch reference."""
-    check_options(options)
+    check_kernel(kernel)
     if not isinstance(reference, bool):
         raise TypeError(f"reference must be a bool, got {reference!r}")
     check_tensor("x", x, dtypes=HIDDEN_DTYPES, dim=3)
@@ -119,22 +119,22 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
         check_tensor("norm_weight", norm_weight, shape=(d,), device=x.device)
     if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
         raise ValueError(f"iters must be an int >= 1, got {iters!r}")
-    backend = resolve("hc_pre", x.device, options.backend, triton_ok=_is_pow2(hc))
+    backend = resolve("hc_pre", x.device, kernel.backend, triton_ok=_is_pow2(hc))
     return ops.hc_pre(x.contiguous(), fn.contiguous(), scale, base, norm_weight, float(mix_eps),
                       iters, float(hc_eps), float(norm_eps), reference, backend)
 
 
 def hc_post(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-            *, options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
+            *, kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
     """mHC post: [N, hc, D] in out's dtype, X'_j = post_j * out + sum_i comb[i, j] * X_i, from
     the block output out [N, D], the residual copies [N, hc, D] and hc_pre's post fp32 [N, hc]
     and comb fp32 [N, hc, hc]."""
-    check_options(options)
+    check_kernel(kernel)
     check_tensor("residual", residual, dtypes=HIDDEN_DTYPES, dim=3)
     n, hc, d = residual.shape
     check_tensor("out", out, dtypes=HIDDEN_DTYPES, shape=(n, d), device=residual.device)
     check_tensor("post", post, dtype=torch.float32, shape=(n, hc), device=residual.device)
     check_tensor("comb", comb, dtype=torch.float32, shape=(n, hc, hc), device=residual.device)
-    backend = resolve("hc_post", residual.device, options.backend, triton_ok=_is_pow2(hc))
+    backend = resolve("hc_post", residual.device, kernel.backend, triton_ok=_is_pow2(hc))
     return ops.hc_post(out.contiguous(), residual.contiguous(), post.contiguous(),
                        comb.contiguous(), backend)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from .backend import resolve
-from .checks import check_options
+from .checks import check_kernel
 from .library import define_op, ops
 from .options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 
@@ -72,13 +72,13 @@ define_op(OP, "(Tensor mixes, Tensor scale, Tensor base, int hc, int iters, floa
 
 def hc_split(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,
              eps: float, *, reference: bool = True,
-             options: KernelOptions = DEFAULT_KERNEL_OPTIONS
+             kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(pre [N, hc], post [N, hc], comb [N, hc, hc]) fp32 from fp32 mixes [N, (2 + hc) * hc].
-    reference: DeepSeek-V4's reference numerics (see `sinkhorn_ref`). options.backend picks the
+    reference: DeepSeek-V4's reference numerics (see `sinkhorn_ref`). kernel.backend picks the
     backend (no HIP version: hip runs Triton where it can); an hc that is not a power of two
     (Triton block shapes must be) runs the torch reference."""
-    check_options(options)
+    check_kernel(kernel)
     if not isinstance(reference, bool):
         raise TypeError(f"reference must be a bool, got {reference!r}")
     width = (2 + hc) * hc
@@ -90,6 +90,6 @@ def hc_split(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: i
                          f"{tuple(base.shape)}")
     if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
         raise ValueError(f"iters must be an int >= 1, got {iters!r}")
-    backend = resolve(OP, mixes.device, options.backend, triton_ok=not hc & (hc - 1))
+    backend = resolve(OP, mixes.device, kernel.backend, triton_ok=not hc & (hc - 1))
     return ops.hc_split(mixes.contiguous(), scale.float(), base.float(), hc, iters, float(eps),
                         reference, backend)

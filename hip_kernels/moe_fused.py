@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from .backend import resolve
-from .checks import check_options, check_tensor
+from .checks import check_kernel, check_tensor
 from .library import define_op, ops
 from .options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 from .platform import FNUZ, fp8_dialect
@@ -243,12 +243,12 @@ def _check_quantized(x, w1, w3, w2, scales, n_experts: int | None) -> None:
 def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, k: int, route_scale: float,
               score_func: str, *, bias: torch.Tensor | None = None,
               tid2eid: torch.Tensor | None = None, input_ids: torch.Tensor | None = None,
-              options: KernelOptions = DEFAULT_KERNEL_OPTIONS
+              kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """The MoE gate of x [N, D]: (weights fp32 [N, k], expert indices int64 [N, k]). gate_weight
     [E, D]; either bias fp32 [E] (a biased gate) or tid2eid int64 [vocab, k] with input_ids [N]
     (a hash gate)."""
-    check_options(options)
+    check_kernel(kernel)
     check_tensor("x", x, dim=2)
     n_experts = gate_weight.shape[0] if isinstance(gate_weight, torch.Tensor) else 0
     check_tensor("gate_weight", gate_weight, shape=(None, x.shape[1]), device=x.device)
@@ -263,7 +263,7 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, k: int, route_scale: f
     else:
         check_tensor("tid2eid", tid2eid, shape=(None, k), device=x.device)
         check_tensor("input_ids", input_ids, shape=(x.shape[0],), device=x.device)
-    backend = resolve("moe_route", x.device, options.backend,
+    backend = resolve("moe_route", x.device, kernel.backend,
                       triton_ok=_contiguous(gate_weight, *([] if tid2eid is None else [tid2eid])))
     return ops.moe_route(x.contiguous(), gate_weight, bias, tid2eid, input_ids, k,
                          float(route_scale),
@@ -274,11 +274,11 @@ def moe_routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, w1
                w3: torch.Tensor, w2: torch.Tensor, *, w1_scale: torch.Tensor | None = None,
                w3_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
                swiglu_limit: float = 0.0,
-               options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
+               kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
     """The routed experts' weighted sum, fp32 [N, D], of x [N, D] (bf16) routed by `moe_route`'s
     (weights, indices). w1, w3 [E, inter, D], w2 [E, D, inter]: bf16, or packed FP4 with
     their ue8m0 scales (see the module docstring)."""
-    check_options(options)
+    check_kernel(kernel)
     check_tensor("x", x, dim=2)
     check_tensor("indices", indices, dtype=torch.int64, dim=2, device=x.device)
     check_tensor("weights", weights, dtype=torch.float32, shape=tuple(indices.shape),
@@ -287,7 +287,7 @@ def moe_routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, w1
         raise ValueError(f"indices must have x's {x.shape[0]} rows, got {tuple(indices.shape)}")
     scales = (w1_scale, w3_scale, w2_scale)
     _check_mlp(x, w1, w3, w2, scales, w1.shape[0] if isinstance(w1, torch.Tensor) else None)
-    backend = resolve("moe_routed", x.device, options.backend,
+    backend = resolve("moe_routed", x.device, kernel.backend,
                       triton_ok=_contiguous(w1, w3, w2, *(s for s in scales if s is not None)))
     return ops.moe_routed(x.contiguous(), weights, indices, w1, w3, w2, *scales,
                           float(swiglu_limit), fp8_dialect().name, backend)
@@ -297,16 +297,16 @@ def moe_shared(routed: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w3: torc
                w2: torch.Tensor, *, w1_scale: torch.Tensor | None = None,
                w3_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
                swiglu_limit: float = 0.0,
-               options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
+               kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
     """(routed fp32 [N, D] + the shared expert of x [N, D]) in x's dtype. w1, w3 [inter, D],
     w2 [D, inter]: bf16, or FP8 with 128x128 ue8m0 scales."""
-    check_options(options)
+    check_kernel(kernel)
     check_tensor("x", x, dim=2)
     check_tensor("routed", routed, dtype=torch.float32, shape=tuple(x.shape), device=x.device)
     scales = (w1_scale, w3_scale, w2_scale)
     _check_mlp(x, w1, w3, w2, scales, None)
     fnuz_ocp = fp8_dialect() is FNUZ and w1.dtype == torch.float8_e4m3fn   # as fp8_linear
-    backend = resolve("moe_shared", x.device, options.backend,
+    backend = resolve("moe_shared", x.device, kernel.backend,
                       triton_ok=_contiguous(w1, w3, w2, *(s for s in scales if s is not None))
                       and not fnuz_ocp)
     return ops.moe_shared(routed, x.contiguous(), w1, w3, w2, w1_scale, w3_scale, w2_scale,

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from .backend import resolve
-from .checks import check_options, check_tensor, value_checks_enabled
+from .checks import check_kernel, check_tensor, value_checks_enabled
 from .library import define_op, ops
 from .options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 from .platform import DIALECTS, FNUZ, OCP, fp8_dialect
@@ -106,12 +106,12 @@ def _check_weight(weight, weight_scale, shape, scale_shape, dtypes, scale_dtypes
             raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
 
 
-def _check_offs(offs, n_groups: int, x: torch.Tensor, options: KernelOptions) -> None:
+def _check_offs(offs, n_groups: int, x: torch.Tensor, kernel: KernelOptions) -> None:
     """int32 [E] on x's device; with value checks (one host read): non-decreasing, from 0 to at
     most x's rows."""
     check_tensor("offs", offs, dtype=torch.int32, shape=(n_groups,), device=x.device)
     n_rows = x.shape[0]
-    if n_groups and value_checks_enabled(options):
+    if n_groups and value_checks_enabled(kernel):
         ends = offs.tolist()
         if ends[0] < 0 or ends[-1] > n_rows or any(b < a for a, b in zip(ends, ends[1:])):
             raise ValueError(f"offs must be non-decreasing cumulative end rows between 0 and "
@@ -124,21 +124,21 @@ def _check_scale_fmt(scale_fmt) -> bool:
     return scale_fmt is not None
 
 
-def _fp8_backend(op, x, weight, options) -> str:
+def _fp8_backend(op, x, weight, kernel) -> str:
     fnuz_platform_ocp_weight = fp8_dialect() is FNUZ and weight.dtype == torch.float8_e4m3fn
-    return resolve(op, x.device, options.backend, triton_ok=not fnuz_platform_ocp_weight)
+    return resolve(op, x.device, kernel.backend, triton_ok=not fnuz_platform_ocp_weight)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, *,
                scale_fmt: str | None = "ue8m0", out_dtype: torch.dtype = torch.bfloat16,
-               options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
+               kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
     """bf16 [M, N] = act_quant(x) @ weight.T, the reference's FP8 linear. x bf16 [M, K]
     (K % 128 == 0, contiguous); weight [N, K] float8_e4m3fn (or float8_e4m3fnuz from
     `ocp_to_fnuz`); weight_scale [ceil(N/128), K/128] (float32, bfloat16, float8_e8m0fnu or its
     bytes as uint8). out_dtype float32: the fp32 accumulator not rounded to bf16 (a
     tensor-parallel rank's partial product, rounded after the sum over ranks).
-    options.backend picks the backend (no HIP version: hip runs Triton)."""
-    check_options(options)
+    kernel.backend picks the backend (no HIP version: hip runs Triton)."""
+    check_kernel(kernel)
     round_scale = _check_scale_fmt(scale_fmt)
     if out_dtype not in FP8_LINEAR_OUT_DTYPES:
         raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
@@ -147,44 +147,44 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     _check_weight(weight, weight_scale, (None, k), (-(-(n or 0) // ACT_BLOCK), k // ACT_BLOCK),
                   FP8_WEIGHT_DTYPES, FP8_SCALE_DTYPES, x.device)
     return ops.fp8_linear(x, weight, weight_scale, round_scale,
-                          _fp8_backend("fp8_linear", x, weight, options), out_dtype)
+                          _fp8_backend("fp8_linear", x, weight, kernel), out_dtype)
 
 
 def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                        offs: torch.Tensor, *, scale_fmt: str | None = "ue8m0",
-                       options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
+                       kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
     """bf16 [P, N]: row r of expert e's group (offs[e-1] <= r < offs[e]) times weight[e], as
     `fp8_linear` computes it. weight [E, N, K] fp8, weight_scale [E, ceil(N/128), K/128],
     offs int32 [E] on x's device; rows past offs[-1] are 0. offs is checked on the host (one
-    read) unless value checks are off (options.value_checks, graph capture)."""
-    check_options(options)
+    read) unless value checks are off (kernel.value_checks, graph capture)."""
+    check_kernel(kernel)
     round_scale = _check_scale_fmt(scale_fmt)
     k = _check_x(x)
     e, n = weight.shape[:2] if isinstance(weight, torch.Tensor) and weight.dim() == 3 else (0, 0)
     _check_weight(weight, weight_scale, (None, None, k),
                   (e, -(-n // ACT_BLOCK), k // ACT_BLOCK), FP8_WEIGHT_DTYPES, FP8_SCALE_DTYPES,
                   x.device)
-    _check_offs(offs, e, x, options)
+    _check_offs(offs, e, x, kernel)
     return ops.fp8_grouped_linear(x, weight, weight_scale, offs, round_scale,
-                                  _fp8_backend("fp8_grouped_linear", x, weight, options))
+                                  _fp8_backend("fp8_grouped_linear", x, weight, kernel))
 
 
 def fp4_grouped_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                        offs: torch.Tensor, *, scale_fmt: str | None = "ue8m0",
-                       options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
+                       kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
     """bf16 [P, N]: the routed experts' FP4 linear. Row r of expert e's group (offs[e-1] <= r <
     offs[e]) is quantized as act_quant does and multiplied with weight[e]: e2m1 codes packed two
     per byte along K, element 2i in the low nibble, [E, N, K/2] (int8 as published, uint8 or
     float4_e2m1fn_x2), weight_scale ue8m0 [E, N, K/32] (float8_e8m0fnu or its bytes as uint8).
     offs int32 [E] cumulative end rows on x's device (checked as in `fp8_grouped_linear`); rows
     past offs[-1] are 0."""
-    check_options(options)
+    check_kernel(kernel)
     round_scale = _check_scale_fmt(scale_fmt)
     k = _check_x(x)
     e, n = weight.shape[:2] if isinstance(weight, torch.Tensor) and weight.dim() == 3 else (0, 0)
     _check_weight(weight, weight_scale, (None, None, k // 2), (e, n, k // FP4_BLOCK),
                   FP4_WEIGHT_DTYPES, FP4_SCALE_DTYPES, x.device)
-    _check_offs(offs, e, x, options)
+    _check_offs(offs, e, x, kernel)
     return ops.fp4_grouped_linear(x, weight, weight_scale, offs, round_scale,
-                                  resolve("fp4_grouped_linear", x.device, options.backend),
+                                  resolve("fp4_grouped_linear", x.device, kernel.backend),
                                   fp8_dialect().name)

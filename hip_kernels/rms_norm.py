@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .backend import resolve
-from .checks import check_options, check_tensor
+from .checks import check_kernel, check_tensor
 from .library import define_op, ops
 from .options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 
@@ -43,15 +43,15 @@ define_op(OP, "(Tensor x, Tensor weight, float eps, str backend) -> Tensor", _im
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
-             options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
+             kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
     """RMSNorm of x [..., D] (bf16, fp16 or fp32) over its last dim with a weight [D] (used in fp32);
-    result in x's dtype. options.backend picks the backend (no HIP version)."""
-    check_options(options)
+    result in x's dtype. kernel.backend picks the backend (no HIP version)."""
+    check_kernel(kernel)
     check_tensor("x", x, dtypes=DTYPES)
     if x.dim() < 1:
         raise ValueError("x must have at least one dimension")
     check_tensor("weight", weight, dtypes=DTYPES, shape=(x.shape[-1],), device=x.device)
     if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0:
         raise ValueError(f"eps must be a float >= 0, got {eps!r}")
-    backend = resolve(OP, x.device, options.backend)
+    backend = resolve(OP, x.device, kernel.backend)
     return ops.rms_norm(x.contiguous(), weight.contiguous(), float(eps), backend)

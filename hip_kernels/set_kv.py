@@ -1,9 +1,9 @@
 """Public set-KV ops: check arguments, resolve the backend, run.
 
 All writers skip rows whose location is negative and take the fp8 dialect from the platform
-(`DSV4_FP8_DIALECT` overrides). `options` (a `KernelOptions`) picks the backend and the host
+(`DSV4_FP8_DIALECT` overrides). `kernel` (a `KernelOptions`) picks the backend and the host
 checks. K/V holding NaN or inf is stored poisoned, the same bytes in every backend (see
-`kv_layout`), or refused with `options.refuse_nonfinite`. Every check happens before any cache
+`kv_layout`), or refused with `kernel.refuse_nonfinite`. Every check happens before any cache
 byte is written; with value checks on, a slot >= 1 given twice in one call is refused (off:
 which row lands is undefined; the dummy slot 0 may always repeat).
 `numerics` (a `numerics.StoreNumerics`) makes a store write what another writer of the same
@@ -18,7 +18,7 @@ import torch
 from . import kv_layout as L
 from .backend import resolve
 from .checks import (check_cache, check_eps, check_finite, check_kv_cache, check_locations,
-                     check_options, check_page_size, check_slot_values, check_tensor,
+                     check_kernel, check_page_size, check_slot_values, check_tensor,
                      value_checks_enabled)
 from .numerics import DEFAULT_NUMERICS, REFERENCE_NUMERICS, StoreNumerics
 from .options import DEFAULT_KERNEL_OPTIONS, KernelOptions
@@ -29,7 +29,7 @@ from .set_kv_ref import translate_full_to_swa
 FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def _check_norm_rope_args(kv, weight, eps, freqs_cis, positions, cache, page_size, options):
+def _check_norm_rope_args(kv, weight, eps, freqs_cis, positions, cache, page_size, kernel):
     check_tensor("kv", kv, dtype=torch.bfloat16, shape=(None, L.HEAD_DIM), last_contiguous=True)
     check_eps(eps)
     dev = kv.device
@@ -40,15 +40,15 @@ def _check_norm_rope_args(kv, weight, eps, freqs_cis, positions, cache, page_siz
                  device=dev)
     check_tensor("positions", positions, dtypes=(torch.int32, torch.int64), shape=(kv.shape[0],),
                  device=dev)
-    _check_positions(positions, freqs_cis.shape[0], options)
+    _check_positions(positions, freqs_cis.shape[0], kernel)
     check_kv_cache("cache", cache, page_size, dev)
-    check_finite("kv", kv, options)
+    check_finite("kv", kv, kernel)
 
 
-def _check_positions(positions, max_pos, options):
+def _check_positions(positions, max_pos, kernel):
     """Kernels read freqs_cis[positions] unchecked, so every position must be a row of it
     (a host sync: see value_checks_enabled())."""
-    if positions.numel() and value_checks_enabled(options):
+    if positions.numel() and value_checks_enabled(kernel):
         lo, hi = torch.stack(torch.aminmax(positions)).tolist()
         if lo < 0 or hi >= max_pos:
             raise IndexError(f"positions holds {lo if lo < 0 else hi} but freqs_cis has {max_pos} "
@@ -80,18 +80,18 @@ def _check_numerics(numerics) -> StoreNumerics:
 
 def fused_k_norm_rope_store(kv, weight, eps, freqs_cis, positions, out_loc, cache, page_size,
                             q=None, numerics: StoreNumerics = DEFAULT_NUMERICS, *,
-                            options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> None:
+                            kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> None:
     """RMSNorm(kv)*weight, RoPE on dims 448..511, FP8-quantize dims 0..447, store at out_loc.
     weight None: kv arrives normalized (RoPE and store only). With q [N, H, 512], also applies
     the weightless per-head RMSNorm + RoPE to q in place (as numerics.q_mode says), for every
     row, whatever its location."""
     _check_numerics(numerics)
-    check_options(options)
-    _check_norm_rope_args(kv, weight, eps, freqs_cis, positions, cache, page_size, options)
+    check_kernel(kernel)
+    _check_norm_rope_args(kv, weight, eps, freqs_cis, positions, cache, page_size, kernel)
     _check_q(q, kv.shape[0], kv.device)
     check_locations("out_loc", out_loc, kv.shape[0], cache.shape[0] * page_size, kv.device,
-                    options)
-    backend = resolve("fused_k_norm_rope_store", kv.device, options.backend,
+                    kernel)
+    backend = resolve("fused_k_norm_rope_store", kv.device, kernel.backend,
                       hip_ok=_hip_ok(numerics, cache, weight is not None))
     ops.fused_k_norm_rope_store(kv, weight, float(eps), freqs_cis, positions, out_loc, cache,
                                 page_size, q, backend, fp8_dialect().name,
@@ -100,26 +100,26 @@ def fused_k_norm_rope_store(kv, weight, eps, freqs_cis, positions, out_loc, cach
 
 def fused_store_cache(rows, cache, out_loc, page_size,
                       numerics: StoreNumerics = DEFAULT_NUMERICS, *,
-                      options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> None:
+                      kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> None:
     """Quantize already normalized and rotated rows [N, 512] bf16 and store them at out_loc."""
     _check_numerics(numerics)
-    check_options(options)
+    check_kernel(kernel)
     check_tensor("rows", rows, dtype=torch.bfloat16, shape=(None, L.HEAD_DIM), last_contiguous=True)
     check_kv_cache("cache", cache, page_size, rows.device)
     check_locations("out_loc", out_loc, rows.shape[0], cache.shape[0] * page_size, rows.device,
-                    options)
-    check_finite("rows", rows, options)
-    backend = resolve("fused_store_cache", rows.device, options.backend,
+                    kernel)
+    check_finite("rows", rows, kernel)
+    backend = resolve("fused_store_cache", rows.device, kernel.backend,
                       hip_ok=_hip_ok(numerics, cache))
     ops.fused_store_cache(rows, cache, out_loc, page_size, backend, fp8_dialect().name,
                           *numerics_args(numerics))
 
 
 def store_kv_pack(nope_fp8, rope_bf16, scales, cache, out_loc, page_size, *,
-                  options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> None:
+                  kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> None:
     """Store a pre-quantized pack: nope [N, 448] fp8 (platform dialect), rope [N, 64] bf16,
     scales [N, 7] uint8 ue8m0."""
-    check_options(options)
+    check_kernel(kernel)
     d = fp8_dialect()
     check_tensor("nope_fp8", nope_fp8, dtype=d.torch_dtype, shape=(None, L.NOPE_DIM),
                  last_contiguous=True)
@@ -129,53 +129,53 @@ def store_kv_pack(nope_fp8, rope_bf16, scales, cache, out_loc, page_size, *,
     check_tensor("scales", scales, dtype=torch.uint8, shape=(n, L.N_TILES), device=dev,
                  last_contiguous=True)
     check_kv_cache("cache", cache, page_size, dev)
-    check_locations("out_loc", out_loc, n, cache.shape[0] * page_size, dev, options)
+    check_locations("out_loc", out_loc, n, cache.shape[0] * page_size, dev, kernel)
     ops.store_kv_pack(nope_fp8, rope_bf16, scales, cache, out_loc, page_size,
-                      resolve("store_kv_pack", dev, options.backend))
+                      resolve("store_kv_pack", dev, kernel.backend))
 
 
 def indexer_store(k, cache, out_loc, page_size, pow2_scale: bool = False, *,
-                  options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> None:
+                  kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> None:
     """Quantize indexer keys [N, 128] (fp32 scale per row) into the 132-byte indexer layout.
     pow2_scale: the scale is a power of two (2^ceil(log2(amax / FP8_MAX))), so FP4-simulated
     keys (e2m1 values times a power of two) read back exactly; else amax / FP8_MAX."""
-    check_options(options)
+    check_kernel(kernel)
     check_tensor("k", k, dtypes=FLOATS, shape=(None, L.INDEX_DIM), last_contiguous=True)
     check_page_size(page_size)
     check_cache("cache", cache, L.indexer_page_bytes(page_size), page_size, k.device)
     check_locations("out_loc", out_loc, k.shape[0], cache.shape[0] * page_size, k.device,
-                    options)
-    check_finite("k", k, options)
+                    kernel)
+    check_finite("k", k, kernel)
     if not isinstance(pow2_scale, bool):
         raise TypeError(f"pow2_scale must be a bool, got {type(pow2_scale).__name__}")
     ops.indexer_store(k, cache, out_loc, page_size,
-                      resolve("indexer_store", k.device, options.backend), fp8_dialect().name,
+                      resolve("indexer_store", k.device, kernel.backend), fp8_dialect().name,
                       pow2_scale)
 
 
 def fused_translate_norm_rope_store(kv, weight, eps, freqs_cis, positions, full_loc, full_to_swa,
                                     cache, page_size, swa_loc_out=None, q=None,
                                     numerics: StoreNumerics = DEFAULT_NUMERICS, *,
-                                    options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> None:
+                                    kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> None:
     """As fused_k_norm_rope_store (q and numerics included), but translates full-pool locations
     through full_to_swa inside the kernel. Negative full locations and unmapped (0) slots write
     nothing. swa_loc_out [N] int32, if given, receives the translated slots (-1 for negative
     locations)."""
     _check_numerics(numerics)
-    check_options(options)
-    _check_norm_rope_args(kv, weight, eps, freqs_cis, positions, cache, page_size, options)
+    check_kernel(kernel)
+    _check_norm_rope_args(kv, weight, eps, freqs_cis, positions, cache, page_size, kernel)
     n, dev = kv.shape[0], kv.device
     _check_q(q, n, dev)
     check_tensor("full_to_swa", full_to_swa, dtypes=(torch.int32, torch.int64), dim=1, device=dev)
-    check_locations("full_loc", full_loc, n, full_to_swa.shape[0], dev, options)
+    check_locations("full_loc", full_loc, n, full_to_swa.shape[0], dev, kernel)
     if swa_loc_out is not None:
         check_tensor("swa_loc_out", swa_loc_out, dtype=torch.int32, shape=(n,), device=dev)
-    if n and value_checks_enabled(options):
+    if n and value_checks_enabled(kernel):
         capacity = cache.shape[0] * page_size
         check_slot_values("full_loc (through full_to_swa)", translate_full_to_swa(
             full_loc, full_to_swa), capacity, "full_to_swa maps a location of full_loc to SWA "
             f"slot {{hi}} but the cache has {capacity} slots")
-    backend = resolve("fused_translate_norm_rope_store", dev, options.backend,
+    backend = resolve("fused_translate_norm_rope_store", dev, kernel.backend,
                       hip_ok=_hip_ok(numerics, cache, weight is not None))
     ops.fused_translate_norm_rope_store(kv, weight, float(eps), freqs_cis, positions, full_loc,
                                         full_to_swa, cache, page_size, swa_loc_out, q, backend,

@@ -59,7 +59,7 @@ MODELS = {"flash": linears(4096, 1024, 64, 8, 1024, 2048, 256),
           "quick": linears(256, 128, 1, 1, 128, 128, 8)}       # --quick on a CPU
 
 
-def options(backend: str) -> KernelOptions:
+def kernel_options(backend: str) -> KernelOptions:
     return KernelOptions(backend=backend, value_checks=False)
 
 
@@ -75,7 +75,7 @@ def fp8_case(k, n, tokens, g):
     x = torch.randn(tokens, k, generator=g).bfloat16().to(dev)
     a = {"x": x, "weight": w.to(dev), "weight_scale": ws.to(dev)}
     moved = (w.numel() + ws.numel() + 2 * x.numel() + 2 * tokens * n)
-    return (lambda b: fp8_linear(**a, options=options(b)), lambda: F.linear(x, bf16), moved,
+    return (lambda b: fp8_linear(**a, kernel=kernel_options(b)), lambda: F.linear(x, bf16), moved,
             moved + bf16.numel() - w.numel() - ws.numel(), tokens, 0)
 
 
@@ -95,7 +95,7 @@ def fp4_case(k, n, experts, tokens, g):
     x = torch.randn(rows, k, generator=g).bfloat16().to(dev)
     a = {"x": x, "weight": w.to(dev), "weight_scale": ws.to(dev), "offs": offs.to(dev)}
     moved = w.numel() + ws.numel() + 2 * x.numel() + 2 * rows * n + 4 * e
-    return (lambda b: fp4_grouped_linear(**a, options=options(b)),
+    return (lambda b: fp4_grouped_linear(**a, kernel=kernel_options(b)),
             lambda: torch._grouped_mm(x, bf16, offs=a["offs"]), moved,
             moved + 2 * bf16.numel() - w.numel() - ws.numel(), rows, e)
 

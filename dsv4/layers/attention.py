@@ -67,15 +67,15 @@ class Attention(nn.Module):
                                       device=device) if self.ratio else None)
         self.indexer = Indexer(cfg, dtype, device, native, split) if self.ratio == 4 else None
 
-    def project_q(self, x: torch.Tensor, options: KernelOptions = DEFAULT_KERNEL_OPTIONS
+    def project_q(self, x: torch.Tensor, kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(q [N, H, 512] before its norm, qr [N, q_lora_rank]). options: the FP8 linears'."""
-        qr = self.q_norm(self.wq_a(x, options), options)
-        return self.wq_b(qr, options).unflatten(-1, (self.n_heads, self.head_dim)), qr
+        """(q [N, H, 512] before its norm, qr [N, q_lora_rank]). kernel: the FP8 linears'."""
+        qr = self.q_norm(self.wq_a(x, kernel), kernel)
+        return self.wq_b(qr, kernel).unflatten(-1, (self.n_heads, self.head_dim)), qr
 
     def project_kv(self, x: torch.Tensor,
-                   options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
-        return self.wkv(x, options)
+                   kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
+        return self.wkv(x, kernel)
 
     def sparse_attention(self, q: torch.Tensor, kv: list[torch.Tensor],
                          valid: list[torch.Tensor], reference: bool,
@@ -90,12 +90,12 @@ class Attention(nn.Module):
                                      window_width)
 
     def project_out(self, o: torch.Tensor, freqs_cis: torch.Tensor,
-                    options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
+                    kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
         """[N, H, 512] -> [N, dim]: inverse RoPE + grouped wo_a (one op,
         ``hip_kernels.grouped_out_proj``), wo_b."""
         t = grouped_out_proj(o, freqs_cis, self.wo_a.weight, self.n_groups, self.rope_dim,
-                             options=options)
-        partial = self.wo_b(t, options, out_dtype=partial_dtype(t.dtype, self.split))
+                             kernel=kernel)
+        partial = self.wo_b(t, kernel, out_dtype=partial_dtype(t.dtype, self.split))
         return self.sum_partial_output(partial).to(t.dtype)
 
     def sum_partial_output(self, y: torch.Tensor) -> torch.Tensor:

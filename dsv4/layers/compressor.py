@@ -54,15 +54,15 @@ class Compressor(nn.Module):
         return self.coff * self.ratio
 
     def project(self, x: torch.Tensor, positions: torch.Tensor,
-                options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
+                kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
         """This step's rows [N, 2 * coff*d]: kv | score (ape included), fp32 (one op,
         ``hip_kernels.compressor_project``)."""
         return compressor_project(x, self.wkv.weight, self.wgate.weight, self.ape, positions,
-                                  self.ratio, options=options)
+                                  self.ratio, kernel=kernel)
 
     def update(self, new: torch.Tensor, state: torch.Tensor, plan, freqs_cis: torch.Tensor,
                dtype: torch.dtype, reference: bool,
-               options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
+               kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
         """Compressed rows [M, d] in dtype of the plan's candidate windows (pooled from the
         ring state and this step's rows new, then finished: see the module docstring), and new
         kept in the ring at plan.state_write; one op (``hip_kernels.compressor_update``).
@@ -71,7 +71,7 @@ class Compressor(nn.Module):
                                  ratio=self.ratio, head_dim=self.head_dim,
                                  rope_dim=self.rope_dim, overlap=self.overlap,
                                  rotate=self.rotate, reference=reference, dtype=dtype,
-                                 options=options)
+                                 kernel=kernel)
 
     def pool(self, kv: torch.Tensor, score: torch.Tensor,
              has_prev: torch.Tensor | None = None) -> torch.Tensor:

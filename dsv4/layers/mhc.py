@@ -16,30 +16,30 @@ from hip_kernels.mhc_fused import hc_mixes
 
 
 def hc_split(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,
-             eps: float, *, reference: bool, options: KernelOptions
+             eps: float, *, reference: bool, kernel: KernelOptions
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """pre [N, hc], post [N, hc], comb [N, hc, hc] (Sinkhorn-normalised) from the mixes
     [N, (2 + hc) * hc]: one fused op (``hip_kernels.mhc_split``; reference: the reference
-    numerics' Sinkhorn; options: the kernel options)."""
+    numerics' Sinkhorn; kernel: the KernelOptions)."""
     return mhc_split.hc_split(mixes.flatten(0, -2), scale, base, hc, iters, eps,
-                              reference=reference, options=options)
+                              reference=reference, kernel=kernel)
 
 
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
            norm_eps: float, iters: int, hc_eps: float, *, reference: bool,
-           options: KernelOptions, norm=None):
+           kernel: KernelOptions, norm=None):
     """Block input y [N, D] (x's dtype) and the (post, comb) weights for hc_post; norm (an
     ``RMSNorm``, the block's attn_norm / ffn_norm): y comes out normed by it, in the same op."""
     return mhc_fused.hc_pre(x, fn, scale, base, None if norm is None else norm.weight,
                             mix_eps=norm_eps, iters=iters, hc_eps=hc_eps,
                             norm_eps=0.0 if norm is None else norm.eps, reference=reference,
-                            options=options)
+                            kernel=kernel)
 
 
 def hc_post(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-            options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
+            kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
     """X'_j = post_j * out + sum_i comb[i, j] * X_i, in out's dtype."""
-    return mhc_fused.hc_post(out, residual, post, comb, options=options)
+    return mhc_fused.hc_post(out, residual, post, comb, kernel=kernel)
 
 
 def hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,

@@ -18,6 +18,6 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32, device=device))
 
     def forward(self, x: torch.Tensor,
-                options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
+                kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
         """weight * x * rsqrt(mean(x^2) + eps) over the last dim, in x's dtype."""
-        return rms_norm(x, self.weight, self.eps, options=options)
+        return rms_norm(x, self.weight, self.eps, kernel=kernel)

@@ -45,12 +45,12 @@ class Fp8Linear(nn.Module):
         self.scale = frozen((-(-out_features // FP8_BLOCK), -(-in_features // FP8_BLOCK)),
                             SCALE_DTYPE, device)
 
-    def forward(self, x: torch.Tensor, options: KernelOptions = DEFAULT_KERNEL_OPTIONS,
+    def forward(self, x: torch.Tensor, kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS,
                 out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """bf16 [..., in] -> [..., out] in out_dtype (float32: a tensor-parallel rank's
         partial product, not rounded)."""
         rows = x.reshape(-1, self.in_features).contiguous()
-        y = fp8_linear(rows, self.weight, self.scale, out_dtype=out_dtype, options=options)
+        y = fp8_linear(rows, self.weight, self.scale, out_dtype=out_dtype, kernel=kernel)
         return y.view(*x.shape[:-1], self.out_features)
 
 

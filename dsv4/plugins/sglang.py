@@ -90,22 +90,22 @@ def _ours(pool) -> bool:
 
 
 def fused_store_hook(original, self, layer_id, swa_loc, cache_k, *,
-                     options: KernelOptions = DEFAULT_KERNEL_OPTIONS):
+                     kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS):
     if not _ours(self):
         return original(self, layer_id, swa_loc, cache_k)
     set_kv.fused_store_cache(cache_k, self.get_swa_raw_buffer(layer_id), swa_loc,
                              self.swa_page_size,
-                             numerics=sglang_numerics("fused_store_cache"), options=options)
+                             numerics=sglang_numerics("fused_store_cache"), kernel=kernel)
 
 
 def fused_norm_rope_hook(original, self, layer_id, swa_loc, kv, kv_weight, eps, freqs_cis,
-                         positions, q=None, *, options: KernelOptions = DEFAULT_KERNEL_OPTIONS):
+                         positions, q=None, *, kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS):
     if not _ours(self):
         return original(self, layer_id, swa_loc, kv, kv_weight, eps, freqs_cis, positions, q)
     set_kv.fused_k_norm_rope_store(kv, kv_weight, eps, freqs_cis, positions, swa_loc,
                                    self.get_swa_raw_buffer(layer_id), self.swa_page_size, q=q,
                                    numerics=sglang_numerics("fused_k_norm_rope_store"),
-                                   options=options)
+                                   kernel=kernel)
 
 
 # method -> (the parameters this plugin was written against, hook, our op or None)
@@ -182,9 +182,9 @@ def _register() -> None:
         logger.warning("dsv4-rocm: SGLang %s not patched: %s", installed_version("sglang"),
                        problem)
         return
-    options = KernelOptions.from_env()     # the flags, read once, when SGLang loads the plugin
+    kernel = KernelOptions.from_env()      # the flags, read once, when SGLang loads the plugin
     for name, (_, hook, op) in chosen.items():
-        bound = hook if op is None else functools.partial(hook, options=options)
+        bound = hook if op is None else functools.partial(hook, kernel=kernel)
         HookRegistry.register(f"{POOL}.{name}", bound, HookType.AROUND)
     logger.warning("dsv4-rocm: SGLang %s plugin active (fp8 %s): %s; request-window, uniform-FP8 "
                    "and unified-KV pools keep SGLang's setters", installed_version("sglang"),

@@ -75,9 +75,9 @@ def freqs_cis_of(cos_sin_cache: torch.Tensor) -> torch.Tensor:
     return hit[1]
 
 
-def insert_hook(original, options: KernelOptions = DEFAULT_KERNEL_OPTIONS):
+def insert_hook(original, kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS):
     """The wrapped `_fused_qnorm_rope_kv_insert`: ours for vLLM's fp8 V4 SWA cache, run with
-    `options` (the kernel flags as the plugin read them at registration)."""
+    `kernel` (the kernel flags as the plugin read them at registration)."""
 
     @functools.wraps(original)
     def insert(self, q, kv, positions, attn_metadata):
@@ -96,7 +96,7 @@ def insert_hook(original, options: KernelOptions = DEFAULT_KERNEL_OPTIONS):
         set_kv.fused_k_norm_rope_store(
             kv, None, self.eps, freqs_cis_of(self.rotary_emb.cos_sin_cache), positions, loc,
             cache.view(cache.shape[0], -1), swa.block_size, q=q_out, numerics=vllm_numerics(),
-            options=options)
+            kernel=kernel)
         return q_out
 
     insert.__wrapped__ = original

@@ -75,7 +75,7 @@ def both_backends(args, reference):
     out = {}
     for backend in ("torch", "triton"):
         out[backend] = A.sparse_decode_attention(**on(args, DEV), reference=reference,
-                                                 options=KernelOptions(backend=backend)).cpu()
+                                                 kernel=KernelOptions(backend=backend)).cpu()
     return out["torch"], out["triton"]
 
 
@@ -101,8 +101,8 @@ def test_the_numerics_modes_differ():
     """The reference rounding is really applied (the modes are not the same computation)."""
     args = case(5, 2, 16, 128, 70)
     triton = KernelOptions(backend="triton")
-    ref = A.sparse_decode_attention(**on(args, DEV), reference=True, options=triton).cpu()
-    f32 = A.sparse_decode_attention(**on(args, DEV), reference=False, options=triton).cpu()
+    ref = A.sparse_decode_attention(**on(args, DEV), reference=True, kernel=triton).cpu()
+    f32 = A.sparse_decode_attention(**on(args, DEV), reference=False, kernel=triton).cpu()
     assert not torch.equal(ref, f32)
 
 
@@ -145,7 +145,7 @@ def test_the_torch_path_is_the_models_math():
         want = attn.sparse_attention(args["q"], kv, valid, mode == "reference")
         got = A.sparse_decode_attention(**dict(args, scale=attn.softmax_scale),
                                         reference=mode == "reference",
-                                        options=KernelOptions(backend="torch"))
+                                        kernel=KernelOptions(backend="torch"))
         assert torch.equal(got, want), mode
 
 
@@ -197,8 +197,8 @@ def test_bad_arguments_are_named(change, error, match):
         A.sparse_decode_attention(**args, reference=False)
     with pytest.raises(TypeError, match="reference must be a bool"):
         A.sparse_decode_attention(**case(2, 2, 4, 8, 5), reference=1)
-    with pytest.raises(TypeError, match="options must be a hip_kernels.KernelOptions, got str"):
-        A.sparse_decode_attention(**case(2, 2, 4, 8, 5), reference=False, options="triton")
+    with pytest.raises(TypeError, match="kernel must be a hip_kernels.KernelOptions, got str"):
+        A.sparse_decode_attention(**case(2, 2, 4, 8, 5), reference=False, kernel="triton")
 
 
 def test_a_narrow_window_puts_the_compressed_rows_after_its_width():

@@ -66,7 +66,7 @@ def both_backends(flag_env, dialect, *args):
     out = {}
     flag_env(DSV4_FP8_DIALECT=dialect)
     for backend in ("torch", "triton"):
-        used, scores = run_recorded(*args, options=KernelOptions(backend=backend))
+        used, scores = run_recorded(*args, kernel=KernelOptions(backend=backend))
         assert used == backend
         out[backend] = scores.cpu()
     return out["torch"], out["triton"]
@@ -205,8 +205,8 @@ def test_one_dispatcher_op_per_call(checks):
     g = gen(19)
     cache = filled_cache(g)
     args = (*queries(g, 2, 8, 5)[:2], cache, *queries(g, 2, 8, 5)[2:], PAGE)
-    options = KernelOptions(value_checks=checks == "1")
-    seen = [name for name, _ in recorded_calls(lambda: indexer_scores(*args, options=options))]
+    kernel = KernelOptions(value_checks=checks == "1")
+    seen = [name for name, _ in recorded_calls(lambda: indexer_scores(*args, kernel=kernel))]
     assert seen.count("dsv4::indexer_scores") == 1
     aten = [s for s in seen if s.startswith("aten::")]
     assert not aten if checks == "0" else len(aten) < 6   # the location range check
@@ -221,7 +221,7 @@ def test_a_valid_location_outside_the_cache():
         indexer_scores(q, w, cache, loc, valid, PAGE)
     unchecked = KernelOptions(backend="triton", value_checks=False)
     q, w, cache, loc, valid = (t.to(DEV) for t in (q, w, cache, loc, valid))
-    out = indexer_scores(q, w, cache, loc, valid, PAGE, options=unchecked).cpu()  # no read past
+    out = indexer_scores(q, w, cache, loc, valid, PAGE, kernel=unchecked).cpu()  # no read past
     # the cache
     assert bool(out[0, 1].isnan())
 
@@ -234,7 +234,7 @@ def test_the_backend_follows_the_options(monkeypatch):
 
     def backend(name=None):
         return run_recorded(*args, **({} if name is None else
-                                      {"options": KernelOptions(backend=name)}))[0]
+                                      {"kernel": KernelOptions(backend=name)}))[0]
 
     assert backend() == "torch"                                 # auto: the reference on a CPU
     assert backend("hip") == "triton"                           # no HIP version
@@ -265,7 +265,7 @@ CACHE = torch.zeros(2, L.indexer_page_bytes(PAGE), dtype=torch.uint8)
     (dict(valid=torch.ones(2, 4, dtype=torch.bool)), ValueError, r"valid must have shape \[2, 5\]"),
     (dict(page_size=0), ValueError, "page_size must be an int >= 1"),
     (dict(q="q"), TypeError, "q must be a torch.Tensor"),
-    (dict(options="torch"), TypeError, "options must be a hip_kernels.KernelOptions, got str"),
+    (dict(kernel="torch"), TypeError, "kernel must be a hip_kernels.KernelOptions, got str"),
 ])
 def test_bad_arguments_are_named(bad, error, match):
     args = dict(q=torch.zeros(2, 8, 128), weights=torch.zeros(2, 8), cache=CACHE,

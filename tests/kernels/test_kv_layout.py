@@ -35,7 +35,7 @@ def test_page_bytes_by_hand():
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("page_size,page,t", [(1, 2, 0), (2, 1, 1), (64, 1, 37)])
 def test_hand_built_row_lands_in_place(flag_env, backend, page_size, page, t):
-    options = KernelOptions(backend=backend)
+    kernel = KernelOptions(backend=backend)
     flag_env(DSV4_FP8_DIALECT="ocp")
     nope_bytes = (torch.arange(L.NOPE_DIM) % 251).to(torch.uint8)      # fp8 values 0x00..0xFA
     rope = torch.arange(L.ROPE_DIM, dtype=torch.float32).to(torch.bfloat16)
@@ -44,7 +44,7 @@ def test_hand_built_row_lands_in_place(flag_env, backend, page_size, page, t):
     args = to_device(dict(nope_fp8=nope_bytes.view(torch.float8_e4m3fn)[None], rope_bf16=rope[None],
                           scales=scales[None], cache=kv_cache(3, page_size),
                           out_loc=torch.tensor([page * page_size + t]), page_size=page_size), DEV)
-    hip_kernels.store_kv_pack(**args, options=options)
+    hip_kernels.store_kv_pack(**args, kernel=kernel)
     cache = args["cache"].cpu()
 
     row = cache[page]
@@ -65,20 +65,20 @@ def test_hand_built_row_lands_in_place(flag_env, backend, page_size, page, t):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dialect", ["fnuz", "ocp"])
 def test_read_kv_rows_round_trip(flag_env, backend, dialect):
-    options = KernelOptions(backend=backend)
+    kernel = KernelOptions(backend=backend)
     flag_env(DSV4_FP8_DIALECT=dialect)
     d = hip_kernels.fp8_dialect()
     rows = bf16_rows(gen(2), 6, L.HEAD_DIM).to(DEV)
     loc = torch.tensor([5, 0, 63, 64, 100, 127], device=DEV)
     cache = kv_cache(2, 64).to(DEV)
-    hip_kernels.fused_store_cache(rows, cache, loc, 64, options=options)
+    hip_kernels.fused_store_cache(rows, cache, loc, 64, kernel=kernel)
     got = hip_kernels.read_kv_rows(cache, loc, 64, d)
     assert torch.equal(got, hip_kernels.dequantize_kv_rows(*hip_kernels.quantize_kv_rows(rows, d)))
     assert torch.equal(got[:, L.NOPE_DIM:], rows[:, L.NOPE_DIM:].float())
 
     k = bf16_rows(gen(3), 6, L.INDEX_DIM).to(DEV)
     icache = indexer_cache(2, 64).to(DEV)
-    hip_kernels.indexer_store(k, icache, loc, 64, options=options)
+    hip_kernels.indexer_store(k, icache, loc, 64, kernel=kernel)
     q, scale = L.quantize_indexer_rows(k, d)
     got_k = hip_kernels.read_indexer_rows(icache, loc, 64, d)
     assert torch.equal(got_k, q.float() * scale[:, None])
@@ -121,19 +121,19 @@ BAD_NORM_ROPE = {
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", BAD_NORM_ROPE.keys())
 def test_bad_input_raises_before_writing(flag_env, backend, case):
-    options = KernelOptions(backend=backend)
+    kernel = KernelOptions(backend=backend)
     make, exc, message = BAD_NORM_ROPE[case]
     args = make()
     cache_before, q_before = args["cache"].clone(), args["q"].clone()
     with pytest.raises(exc, match=message):
-        hip_kernels.fused_k_norm_rope_store(**args, options=options)
+        hip_kernels.fused_k_norm_rope_store(**args, kernel=kernel)
     assert torch.equal(args["cache"].view(torch.uint8), cache_before.view(torch.uint8))
     assert torch.equal(args["q"], q_before)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bad_input_of_the_other_ops(flag_env, backend):
-    options = KernelOptions(backend=backend)
+    kernel = KernelOptions(backend=backend)
     flag_env(DSV4_FP8_DIALECT="fnuz")
     cache, icache = kv_cache(2, 64), indexer_cache(2, 64)
     rows, loc = bf16_rows(gen(1), 3, L.HEAD_DIM), torch.tensor([0, 5, -1])
@@ -142,26 +142,26 @@ def test_bad_input_of_the_other_ops(flag_env, backend):
     f2s = torch.tensor([0, 7, 200, 3])
     cases = [
         (lambda: hip_kernels.fused_store_cache(rows, cache, torch.tensor([0, 128, 1]), 64,
-                                               options=options), IndexError, "out_loc"),
+                                               kernel=kernel), IndexError, "out_loc"),
         (lambda: hip_kernels.store_kv_pack(nope.view(torch.uint8).view(torch.float8_e4m3fn), rope,
-                                           scales, cache, loc, 64, options=options),
+                                           scales, cache, loc, 64, kernel=kernel),
          TypeError, "nope_fp8"),
         (lambda: hip_kernels.store_kv_pack(nope, rope, scales[:, :6], cache, loc, 64,
-                                           options=options), ValueError, "scales"),
+                                           kernel=kernel), ValueError, "scales"),
         (lambda: hip_kernels.indexer_store(rows[:, :64].contiguous(), icache, loc, 64,
-                                           options=options), ValueError, "k must have shape"),
+                                           kernel=kernel), ValueError, "k must have shape"),
         (lambda: hip_kernels.indexer_store(rows[:, :128].contiguous(), cache, loc, 64,
-                                           options=options), ValueError, "page-size mismatch"),
+                                           kernel=kernel), ValueError, "page-size mismatch"),
         (lambda: hip_kernels.fused_translate_norm_rope_store(
             args["kv"], args["weight"], 1e-6, args["freqs_cis"], args["positions"],
-            torch.tensor([1, 2, -1]), f2s, cache, 64, options=options), IndexError, "SWA slot 200"),
+            torch.tensor([1, 2, -1]), f2s, cache, 64, kernel=kernel), IndexError, "SWA slot 200"),
         (lambda: hip_kernels.fused_translate_norm_rope_store(
             args["kv"], args["weight"], 1e-6, args["freqs_cis"], args["positions"],
-            torch.tensor([1, 4, -1]), f2s, cache, 64, options=options), IndexError, "full_loc"),
+            torch.tensor([1, 4, -1]), f2s, cache, 64, kernel=kernel), IndexError, "full_loc"),
         (lambda: hip_kernels.fused_translate_norm_rope_store(
             args["kv"], args["weight"], 1e-6, args["freqs_cis"], args["positions"],
             torch.tensor([1, 3, -1]), f2s, cache, 64, torch.zeros(3, dtype=torch.int64),
-            options=options),
+            kernel=kernel),
          TypeError, "swa_loc_out"),
     ]
     for call, exc, message in cases:

@@ -68,13 +68,13 @@ def test_the_backend_follows_the_options(monkeypatch):
         pytest.skip("the CPU backend choice (no interpreter where a GPU exists)")
     triton = KernelOptions(backend="triton")
     assert op_args(HC) == (True, "torch")                          # auto: the reference on a CPU
-    assert op_args(HC, options=triton) == (True, "triton")         # TRITON_INTERPRET=1 here
-    assert op_args(HC, options=KernelOptions(backend="hip")) == (True, "triton")   # no HIP one
-    assert op_args(3, options=triton) == (True, "torch")           # not a power of two
+    assert op_args(HC, kernel=triton) == (True, "triton")         # TRITON_INTERPRET=1 here
+    assert op_args(HC, kernel=KernelOptions(backend="hip")) == (True, "triton")   # no HIP one
+    assert op_args(3, kernel=triton) == (True, "torch")           # not a power of two
     assert op_args(HC, reference=False) == (False, "torch")        # the op replays the numerics
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(BackendUnavailable, match="TRITON_INTERPRET=1"):
-        op_args(HC, options=triton)
+        op_args(HC, kernel=triton)
 
 
 def test_the_reference_flag_picks_the_softmax():
@@ -83,7 +83,7 @@ def test_the_reference_flag_picks_the_softmax():
     for reference in (True, False):
         want = mhc_split.hc_split_ref(mixes, scale, base, HC, ITERS, EPS, reference)
         got = mhc_split.hc_split(mixes, scale, base, HC, ITERS, EPS, reference=reference,
-                                 options=KernelOptions(backend="torch"))
+                                 kernel=KernelOptions(backend="torch"))
         assert all(torch.equal(g, w) for g, w in zip(got, want))
     comb = [mhc_split.sinkhorn_ref(mixes[:, 2 * HC:].view(-1, HC, HC), 1, EPS, r)
             for r in (True, False)]
@@ -92,7 +92,7 @@ def test_the_reference_flag_picks_the_softmax():
 
 @pytest.mark.parametrize("bad, error, match", [
     (dict(reference="yes"), TypeError, "reference must be a bool, got 'yes'"),
-    (dict(options="triton"), TypeError, "options must be a hip_kernels.KernelOptions, got str"),
+    (dict(kernel="triton"), TypeError, "kernel must be a hip_kernels.KernelOptions, got str"),
 ])
 def test_bad_keyword_arguments_are_named(bad, error, match):
     mixes, scale, base = inputs(2)

@@ -288,5 +288,5 @@ def test_the_backend_follows_the_options():
         (args,) = [a for name, a in recorded_calls(fn) if name.startswith("dsv4::")]
         return args[-1]
     assert backend(lambda: moe_routed(x, weights, indices, **bf16_experts(),
-                                      options=triton)) == "triton"
+                                      kernel=triton)) == "triton"
     assert backend(lambda: moe_routed(x, weights, indices, **bf16_experts())) == "torch"

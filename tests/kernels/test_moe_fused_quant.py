@@ -101,7 +101,7 @@ def test_fp4_routed_matches_the_reference(fused_calls):
     torch reference by default), two tokens, the clamp at LIMIT reached."""
     w = fp4_experts(seed=1)
     x, weights, indices = routing(2, seed=2)
-    got = moe_routed(x, weights, indices, **w, swiglu_limit=LIMIT, options=TRITON)
+    got = moe_routed(x, weights, indices, **w, swiglu_limit=LIMIT, kernel=TRITON)
     assert fused_calls == ["moe_routed_fp4_triton"] and got.dtype == torch.float32
     if DEV.type == "cpu":
         want = moe_routed(x, weights, indices, **w, swiglu_limit=LIMIT)
@@ -145,7 +145,7 @@ def test_fp8_shared_matches_the_reference(fnuz, fused_calls):
     if fnuz:
         got = torch.ops.dsv4.moe_shared(*args, "triton")
     else:
-        got = moe_shared(routed, x, **s, swiglu_limit=LIMIT, options=TRITON)
+        got = moe_shared(routed, x, **s, swiglu_limit=LIMIT, kernel=TRITON)
         assert fused_calls == ["moe_shared_fp8_triton"]
     assert got.dtype == torch.bfloat16
     assert_near(got, want)

@@ -35,8 +35,8 @@ def test_a_store_is_one_dispatcher_op_and_writes_the_reference_bytes(backend):
     args = norm_rope_args(seed=4, n=5, page_size=4, pages=3, heads=2)
     want = clone_args(args)
     R.fused_k_norm_rope_store(**want, dialect=fp8_dialect())
-    options = hip_kernels.KernelOptions(backend=backend, value_checks=False)
-    names = op_names(lambda: hip_kernels.fused_k_norm_rope_store(**args, options=options))
+    kernel = hip_kernels.KernelOptions(backend=backend, value_checks=False)
+    names = op_names(lambda: hip_kernels.fused_k_norm_rope_store(**args, kernel=kernel))
     assert names == ["dsv4::fused_k_norm_rope_store"]
     assert same_bytes(args["cache"], want["cache"]) and same_bytes(args["q"], want["q"])
 

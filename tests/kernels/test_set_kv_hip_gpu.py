@@ -1,6 +1,6 @@
 """The built HIP/CUDA set-KV extension writes exactly the torch reference's bytes (GPU only).
 
-Runs the public ops with options backend=hip in both fp8 dialects; on gfx942 the fnuz
+Runs the public ops with kernel backend=hip in both fp8 dialects; on gfx942 the fnuz
 dialect goes through the hardware convert, checked here on every bf16 value. Also captured in
 a graph and replayed with new inputs.
 """
@@ -30,7 +30,7 @@ def extension_built():
 
 def run_hip(op: str, args: dict) -> dict:
     assert resolve(op, DEV, "hip") == "hip"
-    getattr(hip_kernels, op)(**args, options=HIP)
+    getattr(hip_kernels, op)(**args, kernel=HIP)
     torch.cuda.synchronize()
     return {k: v.cpu() for k, v in outputs(args).items()}
 
@@ -71,10 +71,10 @@ def test_graph_replay_with_new_inputs(flag_env):
     first, second = (make_case(op, seed, 16, 64, 2, 2, torch.int64, torch.bfloat16)
                      for seed in (11, 12))
     static = on_device(first, DEV)
-    getattr(hip_kernels, op)(**on_device(first, DEV), options=HIP)  # warm-up outside the graph
+    getattr(hip_kernels, op)(**on_device(first, DEV), kernel=HIP)  # warm-up outside the graph
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        getattr(hip_kernels, op)(**static, options=HIP)
+        getattr(hip_kernels, op)(**static, kernel=HIP)
     for name, value in on_device(second, DEV).items():
         if isinstance(value, torch.Tensor):
             static[name].copy_(value)

@@ -128,7 +128,7 @@ def test_the_reported_case_stores_the_reference_bytes(flag_env, tmp_path_factory
 def run(flag_env, backend, dialect, op, args):
     flag_env(DSV4_FP8_DIALECT=dialect)
     a = to_device(clone_args(args), DEV)
-    getattr(hip_kernels, op)(**a, options=KernelOptions(backend=backend))
+    getattr(hip_kernels, op)(**a, kernel=KernelOptions(backend=backend))
     return to_device(a, "cpu")
 
 
@@ -177,10 +177,10 @@ def test_the_refuse_option_raises_before_a_byte_is_written(op):
     before = args["cache"].clone()
     name = {"fused_store_cache": "rows", "indexer_store": "k"}.get(op, "kv")
     with pytest.raises(ValueError, match=fr"^{name} row 0 holds a NaN or inf"):
-        getattr(hip_kernels, op)(**args, options=refuse)
+        getattr(hip_kernels, op)(**args, kernel=refuse)
     assert torch.equal(args["cache"], before)
     src = args[name]
     for row in range(3):
         src[row] = 0                                             # finite again: stored
-    getattr(hip_kernels, op)(**args, options=refuse)
+    getattr(hip_kernels, op)(**args, kernel=refuse)
     assert not torch.equal(args["cache"], before)

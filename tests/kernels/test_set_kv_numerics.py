@@ -29,7 +29,7 @@ except ImportError:  # no triton here: the triton cases skip
 
 
 def use_backend(flag_env, backend, dialect) -> KernelOptions:
-    """The options that run `backend`, with `dialect` as the platform's fp8 dialect."""
+    """The KernelOptions that run `backend`, with `dialect` as the platform's fp8 dialect."""
     if backend == "triton":
         pytest.importorskip("triton")
     flag_env(DSV4_FP8_DIALECT=dialect)
@@ -74,12 +74,12 @@ def assert_within(got, want, tol, what):
 @pytest.mark.parametrize("dialect", ["fnuz", "ocp"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_norm_rope_store_numerics(flag_env, backend, dialect):
-    options = use_backend(flag_env, backend, dialect)
+    kernel = use_backend(flag_env, backend, dialect)
     page_size, n = 64, 16
     args = clone_args(norm_rope_args(11, n, page_size, 3, heads=2))
     q_in = args["q"].float().numpy()
     on_dev = to_device(args, DEV)
-    hip_kernels.fused_k_norm_rope_store(**on_dev, options=options)
+    hip_kernels.fused_k_norm_rope_store(**on_dev, kernel=kernel)
     args = to_device(on_dev, "cpu")
 
     keep = args["out_loc"] >= 0
@@ -116,13 +116,13 @@ def test_norm_rope_store_numerics(flag_env, backend, dialect):
 @pytest.mark.parametrize("dialect", ["fnuz", "ocp"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_indexer_store_numerics(flag_env, backend, dialect):
-    options = use_backend(flag_env, backend, dialect)
+    kernel = use_backend(flag_env, backend, dialect)
     page_size, n = 64, 12
     k = bf16_rows(gen(4), n, L.INDEX_DIM)
     cache = indexer_cache(2, page_size)
     loc = torch.randperm(2 * page_size, generator=gen(5))[:n]
     on_dev = to_device(dict(k=k, cache=cache, out_loc=loc, page_size=page_size), DEV)
-    hip_kernels.indexer_store(**on_dev, options=options)
+    hip_kernels.indexer_store(**on_dev, kernel=kernel)
     cache = on_dev["cache"].cpu()
     d = hip_kernels.fp8_dialect()
     got = hip_kernels.read_indexer_rows(cache, loc, page_size, d).numpy()

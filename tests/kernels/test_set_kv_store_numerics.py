@@ -36,7 +36,7 @@ def run(flag_env, backend, dialect, op, args, numerics):
     flag_env(DSV4_FP8_DIALECT=dialect)
     assert resolve(op, DEV, backend, hip_ok=numerics.is_default) == backend
     a = to_device(clone_args(args), DEV)
-    getattr(hip_kernels, op)(**a, numerics=numerics, options=KernelOptions(backend=backend))
+    getattr(hip_kernels, op)(**a, numerics=numerics, kernel=KernelOptions(backend=backend))
     return to_device(a, "cpu")
 
 
@@ -67,7 +67,7 @@ def test_unrounded_rows_are_quantized_from_fp32(flag_env):
     caches = {}
     for numerics in (N.DEFAULT_NUMERICS, HOST):
         a = clone_args(args)
-        hip_kernels.fused_k_norm_rope_store(**a, numerics=numerics, options=TORCH)
+        hip_kernels.fused_k_norm_rope_store(**a, numerics=numerics, kernel=TORCH)
         caches[numerics.round_to_bf16] = a["cache"]
     x = args["kv"][:, :L.HEAD_DIM].double()
     y = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6) * args["weight"].double()
@@ -109,7 +109,7 @@ def test_q_rope_only_rotates_the_tail_of_every_row(flag_env):
     args = norm_rope_args(seed=11, n=6, page_size=4, pages=2, heads=3)
     args["out_loc"] = torch.tensor([0, -1, 5, -1, 7, 2])
     a = clone_args(args)
-    hip_kernels.fused_k_norm_rope_store(**a, numerics=HOST, options=TORCH)
+    hip_kernels.fused_k_norm_rope_store(**a, numerics=HOST, kernel=TORCH)
     q0, q1 = args["q"], a["q"]
     assert same_bytes(q1[..., :L.NOPE_DIM], q0[..., :L.NOPE_DIM])
     f = args["freqs_cis"][args["positions"].long()]
@@ -127,10 +127,10 @@ def test_bad_numerics_are_refused_before_a_write(flag_env):
     before = args["cache"].clone()
     with pytest.raises(ValueError, match="fp8_max=448.0 exceeds the fnuz fp8 maximum 240"):
         hip_kernels.fused_k_norm_rope_store(**args, numerics=N.StoreNumerics(fp8_max=448.0),
-                                            options=TORCH)
+                                            kernel=TORCH)
     with pytest.raises(TypeError, match="numerics must be a hip_kernels.StoreNumerics"):
         hip_kernels.fused_store_cache(args["kv"], args["cache"], args["out_loc"], 4, numerics={},
-                                      options=TORCH)
+                                      kernel=TORCH)
     assert same_bytes(args["cache"], before)
     with pytest.raises(ValueError, match="amax_floor must be > 0"):
         N.StoreNumerics(amax_floor=0.0)
@@ -180,7 +180,7 @@ def test_strided_pages_without_kv_norm(flag_env, dialect):
         view, pages = strided_cache(4, 4, gap=2 * 576, device=DEV)
         a = dict(to_device(clone_args(args), DEV), cache=view)
         hip_kernels.fused_k_norm_rope_store(**a, numerics=VLLM_LIKE,
-                                            options=KernelOptions(backend=backend))
+                                            kernel=KernelOptions(backend=backend))
         base[backend], q[backend] = pages.cpu(), a["q"].cpu()
     assert same_bytes(base["torch"], base["triton"])
     assert same_bytes(q["torch"], q["triton"])
@@ -195,7 +195,7 @@ def test_no_kv_norm_stores_the_rotated_input(flag_env):
     args = norm_rope_args(seed=4, n=5, page_size=8, pages=1)
     args.update(weight=None, out_loc=torch.tensor([0, 3, 7, -1, 5]))
     a = clone_args(args)
-    hip_kernels.fused_k_norm_rope_store(**a, options=TORCH)
+    hip_kernels.fused_k_norm_rope_store(**a, kernel=TORCH)
     f = args["freqs_cis"][args["positions"].long()]
     cos, sin = f.real.numpy(), f.imag.numpy()
     rows = args["kv"][:, :L.HEAD_DIM].float().numpy().copy()
@@ -213,7 +213,7 @@ def test_q_norm_rope_fp32_rounds_once(flag_env):
     outs = {}
     for numerics in (VLLM_LIKE, N.DEFAULT_NUMERICS):
         a = clone_args(args)
-        hip_kernels.fused_k_norm_rope_store(**a, numerics=numerics, options=TORCH)
+        hip_kernels.fused_k_norm_rope_store(**a, numerics=numerics, kernel=TORCH)
         outs[numerics.q_mode] = a["q"]
     q = args["q"].float().numpy()
     ss = (q.astype("float64") ** 2).sum(-1, keepdims=True)

@@ -66,16 +66,16 @@ def test_a_strided_cache_view_gets_the_bytes_of_a_contiguous_cache_and_no_gap_by
     each, make a wrong page stride or a wrong scale offset visible. (test_set_kv_store_numerics
     covers fused_k_norm_rope_store without a norm weight this way; this covers every store.)"""
     flag_env(DSV4_FP8_DIALECT="ocp")
-    options = KernelOptions(backend=backend)
+    kernel = KernelOptions(backend=backend)
     assert resolve(op, DEV, backend, hip_ok=False) == backend
     args = store_args(op)
     dense = to_device(dict(clone_args(args), cache=kv_cache(PAGES, P)), DEV)
-    getattr(hip_kernels, op)(**dense, options=options)
+    getattr(hip_kernels, op)(**dense, kernel=kernel)
     base = torch.full((PAGES, L.page_bytes(P) + GAP), SENTINEL, dtype=torch.uint8, device=DEV)
     view = base[:, :USED]
     assert not view.is_contiguous() and view.stride(0) == L.page_bytes(P) + GAP
     strided = to_device(dict(clone_args(args), cache=view), DEV)
-    getattr(hip_kernels, op)(**strided, options=options)
+    getattr(hip_kernels, op)(**strided, kernel=kernel)
     dense_cache, base = dense["cache"].cpu(), base.cpu()
     assert (dense_cache[:, :USED] != SENTINEL).any(1).all()     # rows landed on every page
     assert same_bytes(base[:, :USED], dense_cache[:, :USED])

@@ -38,7 +38,7 @@ def run_backends(flag_env, dialect, op, args):
     for backend in ("torch", "triton"):
         assert resolve(op, DEV, backend) == backend
         a = to_device(clone_args(args), DEV)
-        getattr(hip_kernels, op)(**a, options=KernelOptions(backend=backend))
+        getattr(hip_kernels, op)(**a, kernel=KernelOptions(backend=backend))
         results[backend] = to_device(a, "cpu")
     return results
 
@@ -222,15 +222,15 @@ def test_all_rows_skipped_write_nothing(flag_env, dialect):
     args = norm_rope_args(3, 6, 64, 2, heads=1)
     args["out_loc"][:] = -1
     a = to_device(clone_args(args), DEV)
-    hip_kernels.fused_k_norm_rope_store(**a, options=triton)
+    hip_kernels.fused_k_norm_rope_store(**a, kernel=triton)
     assert bool((a["cache"] == SENTINEL).all())
     assert not same_bytes(a["q"].cpu(), args["q"]), "q is normalized even for skipped rows"
     rows = bf16_rows(gen(1), 6, L.HEAD_DIM).to(DEV)
     skip = torch.full((6,), -1, device=DEV)
     cache, icache = kv_cache(2, 64).to(DEV), indexer_cache(2, 64).to(DEV)
-    hip_kernels.fused_store_cache(rows, cache, skip, 64, options=triton)
+    hip_kernels.fused_store_cache(rows, cache, skip, 64, kernel=triton)
     hip_kernels.indexer_store(rows[:, :L.INDEX_DIM].contiguous(), icache, skip, 64,
-                              options=triton)
+                              kernel=triton)
     assert bool((cache == SENTINEL).all()) and bool((icache == SENTINEL).all())
 
 
@@ -251,7 +251,7 @@ def test_triton_backend_on_cpu_needs_the_interpreter():
     code = ("import torch, hip_kernels as hk\n"
             "try:\n    hk.fused_store_cache(torch.zeros(1, 512, dtype=torch.bfloat16),"
             " torch.zeros(1, 1152, dtype=torch.uint8), torch.tensor([0]), 1,"
-            " options=hk.KernelOptions(backend='triton'))\n"
+            " kernel=hk.KernelOptions(backend='triton'))\n"
             "except Exception as e:\n    print(type(e).__name__, e)\n")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=120)
@@ -279,7 +279,7 @@ def test_slots_past_the_cache_are_masked_in_the_kernel(flag_env, op):
     for backend in ("torch", "triton"):
         base[:] = 0x5A
         a = dict(to_device(clone_args(args), DEV), cache=base[:2])
-        getattr(hip_kernels, op)(**a, options=KernelOptions(backend=backend, value_checks=False))
+        getattr(hip_kernels, op)(**a, kernel=KernelOptions(backend=backend, value_checks=False))
         assert (base[2] == 0x5A).all(), f"{backend} wrote past the cache"
         results[backend] = dict(to_device(a, "cpu"), cache=base[:2].clone().cpu())
     assert_same(results, *[k for k in ("cache", "swa_loc_out") if k in args])
@@ -332,10 +332,10 @@ def test_translate_with_q_stores_what_the_plain_store_does(flag_env, numerics):
     plain["out_loc"] = torch.where(swa > 0, swa, -1)
     got, want = {}, {}
     for backend in ("torch", "triton"):
-        options = KernelOptions(backend=backend)
+        kernel = KernelOptions(backend=backend)
         a, p = to_device(clone_args(args), DEV), to_device(clone_args(plain), DEV)
-        hip_kernels.fused_translate_norm_rope_store(**a, numerics=numerics, options=options)
-        hip_kernels.fused_k_norm_rope_store(**p, numerics=numerics, options=options)
+        hip_kernels.fused_translate_norm_rope_store(**a, numerics=numerics, kernel=kernel)
+        hip_kernels.fused_k_norm_rope_store(**p, numerics=numerics, kernel=kernel)
         got[backend], want[backend] = to_device(a, "cpu"), to_device(p, "cpu")
         for name in ("cache", "q"):
             assert same_bytes(got[backend][name], want[backend][name]), (backend, name)

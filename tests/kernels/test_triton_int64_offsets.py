@@ -108,7 +108,7 @@ def test_kernels_write_past_4gib(flag_env, op, loc_dtype):
         else:
             args = dict(k=bf16_rows(gen(5), len(loc), L.INDEX_DIM).to(DEV), cache=cache,
                         out_loc=loc.to(DEV), page_size=page_size)
-        getattr(hip_kernels, op)(**args, options=KernelOptions(backend=backend))
+        getattr(hip_kernels, op)(**args, kernel=KernelOptions(backend=backend))
         results[backend] = written_pages(cache, loc, page_size)
         del keep, cache, args
     torch_pages, triton_pages = results["torch"], results["triton"]

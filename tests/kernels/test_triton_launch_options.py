@@ -74,7 +74,7 @@ def test_set_kv_launch_uses_the_aot_reports_options(monkeypatch, op):
     recorder = LaunchRecorder()
     monkeypatch.setattr(K, kernel_name, recorder)
     getattr(hip_kernels, op)(**to_device(make_args(), default_device()),
-                             options=KernelOptions(backend="triton"))
+                             kernel=KernelOptions(backend="triton"))
     ((_, kwargs),) = recorder.launches
     launched = {k: v for k, v in kwargs.items() if k not in kernel.arg_names}
     assert launched.get("enable_fp_fusion") is False

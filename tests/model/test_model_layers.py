@@ -64,7 +64,7 @@ def test_sinkhorn_gives_a_doubly_stochastic_comb():
     hc = 4
     mixes = torch.randn(5, (2 + hc) * hc)
     pre, post, comb = mhc.hc_split(mixes, torch.tensor([1.0, 1.0, 1.0]), torch.zeros(24), hc, 20,
-                                   1e-6, reference=True, options=OPTIONS.kernel)
+                                   1e-6, reference=True, kernel=OPTIONS.kernel)
     assert (comb > 0).all() and (pre > 0).all() and ((post > 0) & (post < 2)).all()
     # 20 iterations end on a column step: columns sum to 1, rows nearly (Sinkhorn converges)
     torch.testing.assert_close(comb.sum(-1), torch.ones(5, hc), atol=1e-2, rtol=0)
@@ -75,7 +75,7 @@ def test_hc_pre_post_match_the_dense_restatement():
     x = torch.randn(6, 4, 64).to(torch.bfloat16)
     fn, base, scale = torch.randn(24, 256) / 16, torch.randn(24), torch.rand(3)
     y, post, comb = mhc.hc_pre(x, fn, scale, base, 1e-6, 20, 1e-6, reference=True,
-                               options=OPTIONS.kernel)
+                               kernel=OPTIONS.kernel)
     pre_r, post_r, comb_r = ref.hc_weights(x, fn, scale, base, TINY)
     torch.testing.assert_close(y, ref.hc_combine(x, pre_r))
     torch.testing.assert_close(comb, comb_r)

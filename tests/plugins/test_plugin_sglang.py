@@ -77,7 +77,7 @@ def test_the_setter_hooks_carry_the_kernel_options_read_at_registration(loaded):
 
     for name in plugin.REPLACEMENTS:
         (hook,) = [h for _, h, _ in HookRegistry._hooks[f"{plugin.POOL}.{name}"]]
-        assert hook.keywords == {"options": KernelOptions.from_env()}, name
+        assert hook.keywords == {"kernel": KernelOptions.from_env()}, name
 
 
 def test_fused_store_writes_sglangs_bytes(pool):
