@@ -18,6 +18,7 @@ from hip_kernels import DEFAULT_KERNEL_OPTIONS, KernelOptions, kv_layout, set_kv
 from hip_kernels.decode_attention import sparse_decode_attention
 from hip_kernels.indexer_scores import indexer_scores
 from hip_kernels.indexer_topk import picked_rows
+from hip_kernels.platform import Fp8Dialect
 
 from . import streams
 
@@ -102,11 +103,12 @@ def select_rows(indexer: Indexer, qr, x, freqs, plan: CompressPlan, rows: slice,
     return picked_rows(loc, pick, kernel=options.kernel)
 
 
-def read_kv_shared(cache: torch.Tensor, loc: torch.Tensor, page_size: int) -> torch.Tensor:
+def read_kv_shared(cache: torch.Tensor, loc: torch.Tensor, page_size: int,
+                   dialect: Fp8Dialect) -> torch.Tensor:
     """read_kv_rows for an extend, where the queries of a request share most of their rows: each
     distinct row is dequantized once (torch.unique: a host sync, so not for graphs)."""
     distinct, inverse = torch.unique(loc, return_inverse=True)
-    return kv_layout.read_kv_rows(cache, distinct, page_size)[inverse]
+    return kv_layout.read_kv_rows(cache, distinct, page_size, dialect)[inverse]
 
 
 def attend(attn: Attention, q: torch.Tensor, qr: torch.Tensor, x: torch.Tensor,
@@ -137,10 +139,12 @@ def attend(attn: Attention, q: torch.Tensor, qr: torch.Tensor, x: torch.Tensor,
                 caches.compressed_page_size, attn.attn_sink, attn.softmax_scale,
                 options.reference, kernel=options.kernel)
         else:
-            kv = [read_kv_shared(caches.swa, window[0], caches.swa_page_size)]
+            dialect = options.kernel.fp8_dialect
+            kv = [read_kv_shared(caches.swa, window[0], caches.swa_page_size, dialect)]
             valid = [window[1]]
             if comp:
-                kv.append(read_kv_shared(caches.compressed, comp[0], caches.compressed_page_size))
+                kv.append(read_kv_shared(caches.compressed, comp[0], caches.compressed_page_size,
+                                         dialect))
                 valid.append(comp[1])
             width = None if meta.window_width is None else meta.window_width[rows]
             o = attn.sparse_attention(q[rows], kv, valid, options.reference, width)

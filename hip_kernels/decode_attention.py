@@ -34,7 +34,7 @@ from .backend import resolve
 from .checks import check_cache, check_kernel, check_page_size, check_tensor
 from .library import define_op, ops
 from .options import DEFAULT_KERNEL_OPTIONS, KernelOptions
-from .platform import DIALECTS, fp8_dialect
+from .platform import DIALECTS
 
 OP = "sparse_decode_attention"
 ATTN_BLOCK = 64   # rows per block of the reference's sparse attention kernel
@@ -192,4 +192,4 @@ def sparse_decode_attention(q: torch.Tensor, swa_cache: torch.Tensor, window_loc
         swa_page_size, comp_cache, None if comp_loc is None else comp_loc.contiguous(),
         None if comp_valid is None else comp_valid.contiguous(),
         comp_page_size if comp_cache is not None else 1, sink.contiguous(), float(scale),
-        bool(reference), resolve(OP, dev, kernel.backend), fp8_dialect().name)
+        bool(reference), resolve(OP, dev, kernel.backend), kernel.fp8_dialect.name)

@@ -28,7 +28,7 @@ from .checks import (check_cache, check_kernel, check_page_size, check_tensor,
                      value_checks_enabled)
 from .library import define_op, ops
 from .options import DEFAULT_KERNEL_OPTIONS, KernelOptions
-from .platform import DIALECTS, fp8_dialect
+from .platform import DIALECTS
 
 OP = "indexer_scores"
 Q_DTYPES = (torch.float32, torch.bfloat16)
@@ -94,4 +94,4 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, 
     _check_args(q, weights, cache, loc, valid, page_size, kernel)
     return ops.indexer_scores(q.contiguous(), weights.contiguous(), cache, loc.contiguous(),
                               valid.contiguous(), page_size, resolve(OP, q.device, kernel.backend),
-                              fp8_dialect().name)
+                              kernel.fp8_dialect.name)

@@ -40,7 +40,7 @@ from .backend import resolve
 from .checks import check_kernel, check_tensor
 from .library import define_op, ops
 from .options import DEFAULT_KERNEL_OPTIONS, KernelOptions
-from .platform import FNUZ, fp8_dialect
+from .platform import FNUZ
 from .quant_linear import (FP4_SCALE_DTYPES, FP4_WEIGHT_DTYPES, FP8_SCALE_DTYPES,
                            FP8_WEIGHT_DTYPES)
 from .quant_linear import _run as quant_linear_run
@@ -290,7 +290,7 @@ def moe_routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, w1
     backend = resolve("moe_routed", x.device, kernel.backend,
                       triton_ok=_contiguous(w1, w3, w2, *(s for s in scales if s is not None)))
     return ops.moe_routed(x.contiguous(), weights, indices, w1, w3, w2, *scales,
-                          float(swiglu_limit), fp8_dialect().name, backend)
+                          float(swiglu_limit), kernel.fp8_dialect.name, backend)
 
 
 def moe_shared(routed: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
@@ -305,7 +305,7 @@ def moe_shared(routed: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w3: torc
     check_tensor("routed", routed, dtype=torch.float32, shape=tuple(x.shape), device=x.device)
     scales = (w1_scale, w3_scale, w2_scale)
     _check_mlp(x, w1, w3, w2, scales, None)
-    fnuz_ocp = fp8_dialect() is FNUZ and w1.dtype == torch.float8_e4m3fn   # as fp8_linear
+    fnuz_ocp = kernel.fp8_dialect is FNUZ and w1.dtype == torch.float8_e4m3fn   # as fp8_linear
     backend = resolve("moe_shared", x.device, kernel.backend,
                       triton_ok=_contiguous(w1, w3, w2, *(s for s in scales if s is not None))
                       and not fnuz_ocp)

@@ -36,6 +36,9 @@ class Fp8Dialect:
     def __str__(self) -> str:
         return self.name
 
+    def __repr__(self) -> str:      # the module constant it is (in KernelOptions' repr)
+        return f"platform.{self.name.upper()}"
+
 
 FNUZ = Fp8Dialect("fnuz", torch.float8_e4m3fnuz, 240.0, "float8e4b8", 0x80)
 OCP = Fp8Dialect("ocp", torch.float8_e4m3fn, 448.0, "float8e4nv", 0x7F)

@@ -27,7 +27,7 @@ from .backend import resolve
 from .checks import check_kernel, check_tensor, value_checks_enabled
 from .library import define_op, ops
 from .options import DEFAULT_KERNEL_OPTIONS, KernelOptions
-from .platform import DIALECTS, FNUZ, OCP, fp8_dialect
+from .platform import DIALECTS, FNUZ, OCP
 from .quant_linear_ref import (ACT_BLOCK, FP4_BLOCK, SCALE_FORMATS, act_quant, fp8_gemm_ref,
                                grouped_linear_ref)
 
@@ -125,7 +125,7 @@ def _check_scale_fmt(scale_fmt) -> bool:
 
 
 def _fp8_backend(op, x, weight, kernel) -> str:
-    fnuz_platform_ocp_weight = fp8_dialect() is FNUZ and weight.dtype == torch.float8_e4m3fn
+    fnuz_platform_ocp_weight = kernel.fp8_dialect is FNUZ and weight.dtype == torch.float8_e4m3fn
     return resolve(op, x.device, kernel.backend, triton_ok=not fnuz_platform_ocp_weight)
 
 
@@ -187,4 +187,4 @@ def fp4_grouped_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
     _check_offs(offs, e, x, kernel)
     return ops.fp4_grouped_linear(x, weight, weight_scale, offs, round_scale,
                                   resolve("fp4_grouped_linear", x.device, kernel.backend),
-                                  fp8_dialect().name)
+                                  kernel.fp8_dialect.name)

@@ -1,11 +1,10 @@
 """Public set-KV ops: check arguments, resolve the backend, run.
 
-All writers skip rows whose location is negative and take the fp8 dialect from the platform
-(`DSV4_FP8_DIALECT` overrides). `kernel` (a `KernelOptions`) picks the backend and the host
-checks. K/V holding NaN or inf is stored poisoned, the same bytes in every backend (see
-`kv_layout`), or refused with `kernel.refuse_nonfinite`. Every check happens before any cache
-byte is written; with value checks on, a slot >= 1 given twice in one call is refused (off:
-which row lands is undefined; the dummy slot 0 may always repeat).
+All writers skip rows whose location is negative. `kernel` (a `KernelOptions`) picks the
+backend, the host checks and the fp8 dialect. K/V holding NaN or inf is stored poisoned, the
+same bytes in every backend (see `kv_layout`), or refused with `kernel.refuse_nonfinite`. Every
+check happens before any cache byte is written; with value checks on, a slot >= 1 given twice
+in one call is refused (off: which row lands is undefined; the dummy slot 0 may always repeat).
 `numerics` (a `numerics.StoreNumerics`) makes a store write what another writer of the same
 layout writes; the default is this project's numerics. Each op then runs as one dispatcher op,
 `torch.ops.dsv4.<name>` (see `set_kv_ops`), whichever backend implements it.
@@ -22,7 +21,6 @@ from .checks import (check_cache, check_eps, check_finite, check_kv_cache, check
                      value_checks_enabled)
 from .numerics import DEFAULT_NUMERICS, REFERENCE_NUMERICS, StoreNumerics
 from .options import DEFAULT_KERNEL_OPTIONS, KernelOptions
-from .platform import fp8_dialect
 from .set_kv_ops import numerics_args, ops
 from .set_kv_ref import translate_full_to_swa
 
@@ -70,11 +68,14 @@ def _hip_ok(numerics: StoreNumerics, cache, has_weight: bool = True) -> bool:
             and has_weight)
 
 
-def _check_numerics(numerics) -> StoreNumerics:
+def _check_numerics(numerics, kernel: KernelOptions) -> StoreNumerics:
+    """numerics, a StoreNumerics whose fp8_max the kernel's FP8 dialect can hold (kernel
+    checked first)."""
+    check_kernel(kernel)
     if not isinstance(numerics, StoreNumerics):
         raise TypeError(f"numerics must be a hip_kernels.StoreNumerics, got "
                         f"{type(numerics).__name__}")
-    numerics.fp8_max_for(fp8_dialect())
+    numerics.fp8_max_for(kernel.fp8_dialect)
     return numerics
 
 
@@ -85,8 +86,7 @@ def fused_k_norm_rope_store(kv, weight, eps, freqs_cis, positions, out_loc, cach
     weight None: kv arrives normalized (RoPE and store only). With q [N, H, 512], also applies
     the weightless per-head RMSNorm + RoPE to q in place (as numerics.q_mode says), for every
     row, whatever its location."""
-    _check_numerics(numerics)
-    check_kernel(kernel)
+    _check_numerics(numerics, kernel)
     _check_norm_rope_args(kv, weight, eps, freqs_cis, positions, cache, page_size, kernel)
     _check_q(q, kv.shape[0], kv.device)
     check_locations("out_loc", out_loc, kv.shape[0], cache.shape[0] * page_size, kv.device,
@@ -94,7 +94,7 @@ def fused_k_norm_rope_store(kv, weight, eps, freqs_cis, positions, out_loc, cach
     backend = resolve("fused_k_norm_rope_store", kv.device, kernel.backend,
                       hip_ok=_hip_ok(numerics, cache, weight is not None))
     ops.fused_k_norm_rope_store(kv, weight, float(eps), freqs_cis, positions, out_loc, cache,
-                                page_size, q, backend, fp8_dialect().name,
+                                page_size, q, backend, kernel.fp8_dialect.name,
                                 *numerics_args(numerics))
 
 
@@ -102,8 +102,7 @@ def fused_store_cache(rows, cache, out_loc, page_size,
                       numerics: StoreNumerics = DEFAULT_NUMERICS, *,
                       kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> None:
     """Quantize already normalized and rotated rows [N, 512] bf16 and store them at out_loc."""
-    _check_numerics(numerics)
-    check_kernel(kernel)
+    _check_numerics(numerics, kernel)
     check_tensor("rows", rows, dtype=torch.bfloat16, shape=(None, L.HEAD_DIM), last_contiguous=True)
     check_kv_cache("cache", cache, page_size, rows.device)
     check_locations("out_loc", out_loc, rows.shape[0], cache.shape[0] * page_size, rows.device,
@@ -111,7 +110,7 @@ def fused_store_cache(rows, cache, out_loc, page_size,
     check_finite("rows", rows, kernel)
     backend = resolve("fused_store_cache", rows.device, kernel.backend,
                       hip_ok=_hip_ok(numerics, cache))
-    ops.fused_store_cache(rows, cache, out_loc, page_size, backend, fp8_dialect().name,
+    ops.fused_store_cache(rows, cache, out_loc, page_size, backend, kernel.fp8_dialect.name,
                           *numerics_args(numerics))
 
 
@@ -120,7 +119,7 @@ def store_kv_pack(nope_fp8, rope_bf16, scales, cache, out_loc, page_size, *,
     """Store a pre-quantized pack: nope [N, 448] fp8 (platform dialect), rope [N, 64] bf16,
     scales [N, 7] uint8 ue8m0."""
     check_kernel(kernel)
-    d = fp8_dialect()
+    d = kernel.fp8_dialect
     check_tensor("nope_fp8", nope_fp8, dtype=d.torch_dtype, shape=(None, L.NOPE_DIM),
                  last_contiguous=True)
     n, dev = nope_fp8.shape[0], nope_fp8.device
@@ -149,7 +148,7 @@ def indexer_store(k, cache, out_loc, page_size, pow2_scale: bool = False, *,
     if not isinstance(pow2_scale, bool):
         raise TypeError(f"pow2_scale must be a bool, got {type(pow2_scale).__name__}")
     ops.indexer_store(k, cache, out_loc, page_size,
-                      resolve("indexer_store", k.device, kernel.backend), fp8_dialect().name,
+                      resolve("indexer_store", k.device, kernel.backend), kernel.fp8_dialect.name,
                       pow2_scale)
 
 
@@ -161,8 +160,7 @@ def fused_translate_norm_rope_store(kv, weight, eps, freqs_cis, positions, full_
     through full_to_swa inside the kernel. Negative full locations and unmapped (0) slots write
     nothing. swa_loc_out [N] int32, if given, receives the translated slots (-1 for negative
     locations)."""
-    _check_numerics(numerics)
-    check_kernel(kernel)
+    _check_numerics(numerics, kernel)
     _check_norm_rope_args(kv, weight, eps, freqs_cis, positions, cache, page_size, kernel)
     n, dev = kv.shape[0], kv.device
     _check_q(q, n, dev)
@@ -179,4 +177,4 @@ def fused_translate_norm_rope_store(kv, weight, eps, freqs_cis, positions, full_
                       hip_ok=_hip_ok(numerics, cache, weight is not None))
     ops.fused_translate_norm_rope_store(kv, weight, float(eps), freqs_cis, positions, full_loc,
                                         full_to_swa, cache, page_size, swa_loc_out, q, backend,
-                                        fp8_dialect().name, *numerics_args(numerics))
+                                        kernel.fp8_dialect.name, *numerics_args(numerics))

@@ -38,6 +38,7 @@ from bench_set_kv import peak_hbm_bytes_per_s, skip_reason
 from hip_kernels import KernelOptions, kv_layout as L, set_kv
 from hip_kernels.decode_attention import sparse_decode_attention
 from hip_kernels.indexer_scores import indexer_scores
+from hip_kernels.platform import fp8_dialect
 
 BACKENDS = ("torch", "triton")
 PAGE = 64
@@ -99,8 +100,9 @@ def moved_bytes(op: str, a: dict) -> int:
 
 
 def kernel_options(backend: str) -> KernelOptions:
-    """The KernelOptions of every timed call: no host range check (a sync per call)."""
-    return KernelOptions(backend=backend, value_checks=False)
+    """The KernelOptions of every timed call: no host range check (a sync per call), the
+    platform's fp8 dialect."""
+    return KernelOptions(backend=backend, value_checks=False, fp8_dialect=fp8_dialect())
 
 
 def run(op: str, numerics: str, backend: str, a: dict):

@@ -9,7 +9,7 @@ import torch
 import hip_kernels
 from hip_kernels import KernelOptions
 from hip_kernels import kv_layout as L
-from hip_kernels.platform import default_device
+from hip_kernels.platform import DIALECTS, FNUZ, OCP, default_device
 from kv_inputs import (SENTINEL, bf16_rows, clone_args, gen, indexer_cache, kv_cache,
                        norm_rope_args, to_device)
 
@@ -34,9 +34,8 @@ def test_page_bytes_by_hand():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("page_size,page,t", [(1, 2, 0), (2, 1, 1), (64, 1, 37)])
-def test_hand_built_row_lands_in_place(flag_env, backend, page_size, page, t):
-    kernel = KernelOptions(backend=backend)
-    flag_env(DSV4_FP8_DIALECT="ocp")
+def test_hand_built_row_lands_in_place(backend, page_size, page, t):
+    kernel = KernelOptions(backend=backend, fp8_dialect=OCP)
     nope_bytes = (torch.arange(L.NOPE_DIM) % 251).to(torch.uint8)      # fp8 values 0x00..0xFA
     rope = torch.arange(L.ROPE_DIM, dtype=torch.float32).to(torch.bfloat16)
     rope[0] = 1.0                                                      # bf16 0x3F80
@@ -64,10 +63,9 @@ def test_hand_built_row_lands_in_place(flag_env, backend, page_size, page, t):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dialect", ["fnuz", "ocp"])
-def test_read_kv_rows_round_trip(flag_env, backend, dialect):
-    kernel = KernelOptions(backend=backend)
-    flag_env(DSV4_FP8_DIALECT=dialect)
-    d = hip_kernels.fp8_dialect()
+def test_read_kv_rows_round_trip(backend, dialect):
+    d = DIALECTS[dialect]
+    kernel = KernelOptions(backend=backend, fp8_dialect=d)
     rows = bf16_rows(gen(2), 6, L.HEAD_DIM).to(DEV)
     loc = torch.tensor([5, 0, 63, 64, 100, 127], device=DEV)
     cache = kv_cache(2, 64).to(DEV)
@@ -132,12 +130,11 @@ def test_bad_input_raises_before_writing(flag_env, backend, case):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_bad_input_of_the_other_ops(flag_env, backend):
-    kernel = KernelOptions(backend=backend)
-    flag_env(DSV4_FP8_DIALECT="fnuz")
+def test_bad_input_of_the_other_ops(backend):
+    kernel = KernelOptions(backend=backend, fp8_dialect=FNUZ)
     cache, icache = kv_cache(2, 64), indexer_cache(2, 64)
     rows, loc = bf16_rows(gen(1), 3, L.HEAD_DIM), torch.tensor([0, 5, -1])
-    nope, rope, scales = L.quantize_kv_rows(rows, hip_kernels.fp8_dialect())
+    nope, rope, scales = L.quantize_kv_rows(rows, FNUZ)
     args = norm_rope_args(1, 3, 64, 2)
     f2s = torch.tensor([0, 7, 200, 3])
     cases = [
@@ -183,7 +180,8 @@ def test_reads_through_a_strided_view_see_each_page_where_it_lies():
     loc = torch.tensor([0, 3, 4, 6, 11, 9])
     for got, want in zip(L.read_kv_bytes(strided, loc, p), L.read_kv_bytes(contiguous, loc, p)):
         assert torch.equal(got, want)
-    assert torch.equal(L.read_kv_rows(strided, loc, p), L.read_kv_rows(contiguous, loc, p))
+    assert torch.equal(L.read_kv_rows(strided, loc, p, OCP),
+                       L.read_kv_rows(contiguous, loc, p, OCP))
     # the page a location names, not its neighbour: rows of page 2 are the last page's bytes
     values, scales = L.read_kv_bytes(strided, torch.tensor([8]), p)
     assert torch.equal(values[0], buffer[2, :L.VALUE_BYTES])

@@ -10,6 +10,7 @@ in their own fp32 order: test_quant_linear_nvidia.py holds that bound and the sm
 """
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -267,19 +268,20 @@ def test_fp8_grouped_linear_triton_matches_torch(dialect):
 @pytest.mark.parametrize("dialect", ["ocp", "fnuz"])
 @pytest.mark.parametrize("packing", [torch.int8, torch.uint8, torch.float4_e2m1fn_x2],
                          ids=["int8", "uint8", "float4_e2m1fn_x2"])
-def test_fp4_grouped_linear_triton_matches_torch(dialect, packing, flag_env):
-    flag_env(DSV4_FP8_DIALECT=dialect)
+def test_fp4_grouped_linear_triton_matches_torch(dialect, packing):
+    """The activations are quantized in the KernelOptions' fp8 dialect."""
+    d = FNUZ if dialect == "fnuz" else OCP
     g = gen(7)
     x = rows(g, 7, 256)
     w = fp4_weight(g, 2, 96, 128).view(packing)
     ws = e8m0(g, 2, 96, 8)
     offs = torch.tensor([2, 6], dtype=torch.int32)
-    want = fp4_grouped_linear(x, w, ws, offs, kernel=TORCH)
+    want = fp4_grouped_linear(x, w, ws, offs, kernel=replace(TORCH, fp8_dialect=d))
     q, s = act_quant(x[2:6])
     assert same(want[2:6], R.fp4_gemm_ref(q, s, w[1], ws[1]))
     assert torch.equal(want[6], torch.zeros_like(want[6]))
     got = fp4_grouped_linear(x.to(DEV), w.to(DEV), ws.view(torch.uint8).to(DEV), offs.to(DEV),
-                             kernel=TRITON)
+                             kernel=replace(TRITON, fp8_dialect=d))
     assert same(got.cpu(), want)
 
 
@@ -339,16 +341,15 @@ def test_each_call_is_one_dispatcher_op(kernel):
     (OCP, torch.float8_e4m3fn, "triton"), (FNUZ, torch.float8_e4m3fnuz, "triton"),
     (FNUZ, torch.float8_e4m3fn, "torch")])
 def test_triton_asked_runs_triton_unless_the_weights_are_ocp_on_an_fnuz_platform(
-        monkeypatch, platform, weight_dtype, backend):
-    """The Triton kernels decode the weights in the platform's dialect: published (OCP) e4m3fn
-    weights on an fnuz platform (not converted at load) go to the torch reference."""
-    import hip_kernels.quant_linear as Q
-
-    monkeypatch.setattr(Q, "fp8_dialect", lambda: platform)
+            platform, weight_dtype, backend):
+    """The Triton kernels decode the weights in the KernelOptions' dialect (the platform's):
+    published (OCP) e4m3fn weights on an fnuz platform (not converted at load) go to the torch
+    reference."""
     g = gen(14)
     x, w, ws = small_args(g)["fp8_linear"]
     w = w.view(torch.uint8).clamp(max=0x7e).view(weight_dtype)   # no NaN in either dialect
-    calls = recorded_calls(lambda: fp8_linear(x, w, ws, kernel=TRITON))
+    kernel = replace(TRITON, fp8_dialect=platform)
+    calls = recorded_calls(lambda: fp8_linear(x, w, ws, kernel=kernel))
     assert [(name, [a for a in args if a in ("torch", "triton", "hip")]) for name, args in calls
             ] == [("dsv4::fp8_linear", [backend])]
 

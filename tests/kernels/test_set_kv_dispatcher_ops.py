@@ -7,7 +7,6 @@ import torch
 import hip_kernels
 from hip_kernels.set_kv_ops import SCHEMAS, ops
 from hip_kernels import set_kv_ref as R
-from hip_kernels.platform import fp8_dialect
 from kv_inputs import clone_args, norm_rope_args, same_bytes
 from op_recorder import op_names
 
@@ -34,7 +33,7 @@ def test_a_store_is_one_dispatcher_op_and_writes_the_reference_bytes(backend):
         pytest.importorskip("triton")
     args = norm_rope_args(seed=4, n=5, page_size=4, pages=3, heads=2)
     want = clone_args(args)
-    R.fused_k_norm_rope_store(**want, dialect=fp8_dialect())
+    R.fused_k_norm_rope_store(**want, dialect=hip_kernels.DEFAULT_KERNEL_OPTIONS.fp8_dialect)
     kernel = hip_kernels.KernelOptions(backend=backend, value_checks=False)
     names = op_names(lambda: hip_kernels.fused_k_norm_rope_store(**args, kernel=kernel))
     assert names == ["dsv4::fused_k_norm_rope_store"]

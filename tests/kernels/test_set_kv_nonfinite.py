@@ -107,8 +107,7 @@ def test_the_reported_case_poisons_one_tile_and_changes_no_other(dialect):
 
 @pytest.mark.parametrize("dialect", ["fnuz", "ocp"])
 @pytest.mark.parametrize("backend", ["triton", "hip_host"])
-def test_the_reported_case_stores_the_reference_bytes(flag_env, tmp_path_factory, backend,
-                                                      dialect):
+def test_the_reported_case_stores_the_reference_bytes(tmp_path_factory, backend, dialect):
     """Triton's interpreter rounded fp32 -> fp8 its own way (57 bytes of clean tiles differed);
     the kernel now rounds on the CPU in integer arithmetic, so no shim is needed."""
     args = reported_case()
@@ -121,24 +120,24 @@ def test_the_reported_case_stores_the_reference_bytes(flag_env, tmp_path_factory
     else:
         pytest.importorskip("triton")
         with unshimmed():
-            got = run(flag_env, "triton", dialect, "fused_store_cache", args)["cache"]
+            got = run("triton", dialect, "fused_store_cache", args)["cache"]
     assert same_bytes(got, want)
 
 
-def run(flag_env, backend, dialect, op, args):
-    flag_env(DSV4_FP8_DIALECT=dialect)
+def run(backend, dialect, op, args):
     a = to_device(clone_args(args), DEV)
-    getattr(hip_kernels, op)(**a, kernel=KernelOptions(backend=backend))
+    getattr(hip_kernels, op)(**a, kernel=KernelOptions(backend=backend,
+                                                       fp8_dialect=DIALECTS[dialect]))
     return to_device(a, "cpu")
 
 
 @pytest.mark.parametrize("dialect", ["fnuz", "ocp"])
 @pytest.mark.parametrize("op", OPS)
-def test_triton_stores_the_reference_bytes(flag_env, op, dialect):
+def test_triton_stores_the_reference_bytes(op, dialect):
     pytest.importorskip("triton")
     args, _ = nonfinite_case(op, P)
     want = reference(op, args, DIALECTS[dialect])
-    got = run(flag_env, "triton", dialect, op, args)
+    got = run("triton", dialect, op, args)
     for k in want:
         assert same_bytes(got[k], want[k]), k
 
@@ -155,7 +154,7 @@ NEG_ZERO_NAN = torch.tensor([0xFF81], dtype=torch.int32).to(torch.int16).view(to
 
 
 @pytest.mark.parametrize("dialect", ["fnuz", "ocp"])
-def test_indexer_keys_with_a_nonfinite_value_are_poisoned(flag_env, dialect):
+def test_indexer_keys_with_a_nonfinite_value_are_poisoned(dialect):
     d = DIALECTS[dialect]
     args = indexer_case()
     ref = clone_args(args)
@@ -166,7 +165,7 @@ def test_indexer_keys_with_a_nonfinite_value_are_poisoned(flag_env, dialect):
         scale = page[P * L.INDEX_DIM + loc % P * 4:][:4].view(torch.int32)
         assert bool((vals == d.nan_byte).all() and scale == L.FP32_NAN) == (row < 3)
     pytest.importorskip("triton")
-    got = run(flag_env, "triton", dialect, "indexer_store", args)
+    got = run("triton", dialect, "indexer_store", args)
     assert same_bytes(got["cache"], ref["cache"])
 
 

@@ -23,7 +23,8 @@ ARCH = "gfx942"
 
 def pack_args():
     g = gen(3)
-    nope, rope, scales = L.quantize_kv_rows(bf16_rows(g, 4, L.HEAD_DIM), hip_kernels.fp8_dialect())
+    nope, rope, scales = L.quantize_kv_rows(bf16_rows(g, 4, L.HEAD_DIM),
+                                            KernelOptions().fp8_dialect)
     return dict(nope_fp8=nope, rope_bf16=rope, scales=scales, cache=kv_cache(2, 4),
                 out_loc=locations(g, 4, 8), page_size=4)
 

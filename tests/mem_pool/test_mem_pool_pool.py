@@ -136,7 +136,7 @@ def test_swa_writers_store_what_the_kernels_store_at_the_translated_slots():
     pool, al = small_pool((0, 4), full_tokens=64, swa_tokens=64, page_size=16)
     swa_loc = pool.get_cached_swa_loc(al.alloc(16)[3:9], 0)
     rows = _rows(6)
-    pack = kv_layout.quantize_kv_rows(rows)
+    pack = kv_layout.quantize_kv_rows(rows, hip_kernels.DEFAULT_KERNEL_OPTIONS.fp8_dialect)
     weight = torch.rand(512) + 0.5
     angles = torch.arange(32 * 32, dtype=torch.float32).view(32, 32) * 0.01
     freqs = torch.polar(torch.ones_like(angles), angles)
