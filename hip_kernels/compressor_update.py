@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from .activation_sim import FP4_BLOCK, fp4_quant_dequant, hadamard_rotate
 from .backend import resolve
 from .checks import check_kernel, check_tensor
-from .library import define_op, ops
+from .library import define_op, op
 from .options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 from .rms_norm import rms_norm_ref
 from .rotary import rope_tail
@@ -85,43 +85,25 @@ def compressor_update_ref(new, state, src_state, src_new, has_prev, window_start
     return out
 
 
-def _project_impl(x, wkv, wgate, ape, positions, ratio, backend):
-    if backend == "triton":
-        from .compressor_update_triton import compressor_project_triton
-        return compressor_project_triton(x, wkv, wgate, ape, positions, ratio)
-    return compressor_project_ref(x, wkv, wgate, ape, positions, ratio)
-
-
-def _project_fake(x, wkv, wgate, ape, positions, ratio, backend):
+def _project_fake(x, wkv, wgate, ape, positions, ratio):
     return x.new_empty(x.shape[0], 2 * wkv.shape[0], dtype=torch.float32)
-
-
-def _update_impl(new, state, src_state, src_new, has_prev, window_start, state_write,
-                 freqs_table, norm_weight, eps, ratio, head_dim, rope_dim, overlap, rotate,
-                 reference, dtype, backend):
-    if backend == "triton":
-        from .compressor_update_triton import compressor_update_triton
-        return compressor_update_triton(new, state, src_state, src_new, has_prev, window_start,
-                                        state_write, freqs_table, norm_weight, eps, ratio,
-                                        head_dim, rope_dim, overlap, rotate, dtype)
-    return compressor_update_ref(new, state, src_state, src_new, has_prev, window_start,
-                                 state_write, freqs_table, norm_weight, eps, ratio, head_dim,
-                                 rope_dim, overlap, rotate, reference, dtype)
 
 
 def _update_fake(new, state, src_state, src_new, has_prev, window_start, state_write,
                  freqs_table, norm_weight, eps, ratio, head_dim, rope_dim, overlap, rotate,
-                 reference, dtype, backend):
+                 reference, dtype):
     return new.new_empty(src_state.shape[0], head_dim, dtype=dtype)
 
 
 define_op("compressor_project", "(Tensor x, Tensor wkv, Tensor wgate, Tensor ape, "
-          "Tensor positions, int ratio, str backend) -> Tensor", _project_impl, _project_fake)
+          "Tensor positions, int ratio) -> Tensor", compressor_project_ref, _project_fake,
+          triton="compressor_update_triton.compressor_project_triton")
 define_op("compressor_update", "(Tensor new, Tensor(a!) state, Tensor src_state, "
           "Tensor src_new, Tensor has_prev, Tensor window_start, Tensor state_write, "
           "Tensor freqs_table, Tensor norm_weight, float eps, int ratio, int head_dim, "
-          "int rope_dim, bool overlap, bool rotate, bool reference, ScalarType dtype, "
-          "str backend) -> Tensor", _update_impl, _update_fake)
+          "int rope_dim, bool overlap, bool rotate, bool reference, ScalarType dtype) -> Tensor",
+          compressor_update_ref, _update_fake,
+          triton="compressor_update_triton.compressor_update_triton")
 
 
 def _update_triton_ok(state: torch.Tensor, head_dim: int, rope_dim: int, rotate: bool) -> bool:
@@ -146,8 +128,8 @@ def compressor_project(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor,
     check_tensor("positions", positions, dtypes=(torch.int32, torch.int64),
                  shape=(x.shape[0],), device=x.device)
     backend = resolve("compressor_project", x.device, kernel.backend)
-    return ops.compressor_project(x.contiguous(), wkv.contiguous(), wgate.contiguous(),
-                                  ape.contiguous(), positions.contiguous(), ratio, backend)
+    return op("compressor_project", backend)(x.contiguous(), wkv.contiguous(), wgate.contiguous(),
+                                             ape.contiguous(), positions.contiguous(), ratio)
 
 
 def compressor_update(new: torch.Tensor, state: torch.Tensor, plan, freqs_table: torch.Tensor,
@@ -179,9 +161,8 @@ def compressor_update(new: torch.Tensor, state: torch.Tensor, plan, freqs_table:
     check_tensor("norm_weight", norm_weight, shape=(head_dim,), device=new.device)
     backend = resolve("compressor_update", new.device, kernel.backend,
                       triton_ok=_update_triton_ok(state, head_dim, rope_dim, rotate))
-    return ops.compressor_update(new.contiguous(), state, plan.src_state.contiguous(),
-                                 plan.src_new.contiguous(), plan.has_prev.contiguous(),
-                                 plan.window_start.contiguous(), plan.state_write.contiguous(),
-                                 freqs_table.contiguous(), norm_weight.contiguous(), float(eps),
-                                 ratio, head_dim, rope_dim, overlap, rotate, reference, dtype,
-                                 backend)
+    return op("compressor_update", backend)(
+        new.contiguous(), state, plan.src_state.contiguous(), plan.src_new.contiguous(),
+        plan.has_prev.contiguous(), plan.window_start.contiguous(),
+        plan.state_write.contiguous(), freqs_table.contiguous(), norm_weight.contiguous(),
+        float(eps), ratio, head_dim, rope_dim, overlap, rotate, reference, dtype)

@@ -18,7 +18,7 @@ import torch
 
 from .backend import resolve
 from .checks import check_kernel, check_tensor
-from .library import define_op, ops
+from .library import define_op, op
 from .options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 from .rotary import rope_tail
 
@@ -33,19 +33,12 @@ def grouped_out_proj_ref(o: torch.Tensor, freqs_cis: torch.Tensor, weight: torch
     return torch.einsum("ngd,grd->ngr", o, w).flatten(1)
 
 
-def _impl(o, freqs_cis, weight, n_groups, rope_dim, backend):
-    if backend == "triton":
-        from .grouped_out_proj_triton import grouped_out_proj_triton
-        return grouped_out_proj_triton(o, freqs_cis, weight, n_groups, rope_dim)
-    return grouped_out_proj_ref(o, freqs_cis, weight, n_groups, rope_dim)
-
-
-def _fake(o, freqs_cis, weight, n_groups, rope_dim, backend):
+def _fake(o, freqs_cis, weight, n_groups, rope_dim):
     return o.new_empty(o.shape[0], weight.shape[0])
 
 
-define_op(OP, "(Tensor o, Tensor freqs_cis, Tensor weight, int n_groups, int rope_dim, "
-          "str backend) -> Tensor", _impl, _fake)
+define_op(OP, "(Tensor o, Tensor freqs_cis, Tensor weight, int n_groups, int rope_dim) -> Tensor",
+          grouped_out_proj_ref, _fake, triton="grouped_out_proj_triton.grouped_out_proj_triton")
 
 
 def grouped_out_proj(o: torch.Tensor, freqs_cis: torch.Tensor, weight: torch.Tensor,
@@ -71,5 +64,5 @@ def grouped_out_proj(o: torch.Tensor, freqs_cis: torch.Tensor, weight: torch.Ten
         raise ValueError(f"weight's {weight.shape[0]} rows must split into {n_groups} groups")
     # the kernel rotates aligned pairs of a tile: an odd head dim runs the reference
     backend = resolve(OP, o.device, kernel.backend, triton_ok=d % 2 == 0)
-    return ops.grouped_out_proj(o.contiguous(), freqs_cis.contiguous(), weight.contiguous(),
-                                n_groups, rope_dim, backend)
+    return op(OP, backend)(o.contiguous(), freqs_cis.contiguous(), weight.contiguous(), n_groups,
+                           rope_dim)

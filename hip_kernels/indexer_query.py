@@ -20,7 +20,7 @@ import torch
 from .activation_sim import fp4_quant_dequant, hadamard_rotate
 from .backend import resolve
 from .checks import check_kernel, check_tensor
-from .library import define_op, ops
+from .library import define_op, op
 from .options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 from .rotary import rope_tail
 
@@ -33,19 +33,12 @@ def indexer_query_ref(q: torch.Tensor, freqs_cis: torch.Tensor, n_heads: int, ro
     return fp4_quant_dequant(hadamard_rotate(q, reference))
 
 
-def _impl(q, freqs_cis, n_heads, rope_dim, reference, backend):
-    if backend == "triton":
-        from .indexer_query_triton import indexer_query_triton
-        return indexer_query_triton(q, freqs_cis, n_heads, rope_dim)
-    return indexer_query_ref(q, freqs_cis, n_heads, rope_dim, reference)
-
-
-def _fake(q, freqs_cis, n_heads, rope_dim, reference, backend):
+def _fake(q, freqs_cis, n_heads, rope_dim, reference):
     return q.new_empty(q.shape[0], n_heads, q.shape[1] // n_heads)
 
 
-define_op(OP, "(Tensor q, Tensor freqs_cis, int n_heads, int rope_dim, bool reference, "
-          "str backend) -> Tensor", _impl, _fake)
+define_op(OP, "(Tensor q, Tensor freqs_cis, int n_heads, int rope_dim, bool reference) -> Tensor",
+          indexer_query_ref, _fake, triton="indexer_query_triton.indexer_query_triton")
 
 
 def indexer_query(q: torch.Tensor, freqs_cis: torch.Tensor, n_heads: int, rope_dim: int, *,
@@ -72,5 +65,4 @@ def indexer_query(q: torch.Tensor, freqs_cis: torch.Tensor, n_heads: int, rope_d
     if not isinstance(reference, bool):
         raise TypeError(f"reference must be a bool, got {reference!r}")
     backend = resolve(OP, q.device, kernel.backend)
-    return ops.indexer_query(q.contiguous(), freqs_cis.contiguous(), n_heads, rope_dim,
-                             reference, backend)
+    return op(OP, backend)(q.contiguous(), freqs_cis.contiguous(), n_heads, rope_dim, reference)

@@ -6,8 +6,8 @@ the top k of each query's scores among its visible rows, -1 where fewer rows are
     pick = idx, -1 where vals == -inf
 
 The torch reference (``indexer_topk_ref``) is the CPU path and the oracle. On aiter (`use_aiter`:
-the caller's KernelOptions and numerics allow it, resolved on the host) the op runs aiter's top-k. Else
-on a GPU it runs the Triton kernel (``indexer_topk_triton``, one program per query row, chosen by
+the caller's KernelOptions and numerics allow it, resolved on the host) the op runs aiter's
+top-k. Else on a GPU it runs the Triton kernel (``indexer_topk_triton``, one program per query row, chosen by
 ``backend.resolve`` from the caller's ``KernelOptions``): it returns exactly ``topk_by_key``'s
 choice over the masked row (with or without ``width``: ties go to the lower column), -1 where the
 value is -inf, in one kernel (the GPU torch path's choice; without ``width`` the torch path runs
@@ -31,7 +31,7 @@ import torch
 from . import aiter_ops
 from .backend import resolve
 from .checks import check_kernel, check_tensor
-from .library import define_op, ops
+from .library import define_op, op
 from .options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 
 OP = "indexer_topk"
@@ -79,19 +79,12 @@ def topk_at_width(scores: torch.Tensor, k: int,
     return vals, idx
 
 
-def _impl(scores, visible, k, use_aiter, width, backend):
-    if backend == "triton":
-        from .indexer_topk_triton import indexer_topk_triton
-        return indexer_topk_triton(scores, visible, k, width)
-    return indexer_topk_ref(scores, visible, k, use_aiter, width)
-
-
-def _fake(scores, visible, k, use_aiter, width, backend):
+def _fake(scores, visible, k, use_aiter, width):
     return scores.new_empty(scores.shape[0], k, dtype=torch.int64)
 
 
-define_op(OP, "(Tensor scores, Tensor visible, int k, bool use_aiter, Tensor? width, "
-          "str backend) -> Tensor", _impl, _fake)
+define_op(OP, "(Tensor scores, Tensor visible, int k, bool use_aiter, Tensor? width) -> Tensor",
+          indexer_topk_ref, _fake, triton="indexer_topk_triton.indexer_topk_triton")
 
 
 def indexer_topk(scores: torch.Tensor, visible: torch.Tensor, k: int, *,
@@ -118,26 +111,19 @@ def indexer_topk(scores: torch.Tensor, visible: torch.Tensor, k: int, *,
     if backend == "triton":
         scores, visible = scores.contiguous(), visible.contiguous()
         width = None if width is None else width.contiguous()
-    return ops.indexer_topk(scores, visible, k, bool(use_aiter), width, backend)
+    return op(OP, backend)(scores, visible, k, bool(use_aiter), width)
 
 
 def picked_rows_ref(loc: torch.Tensor, pick: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return loc.gather(1, pick.clamp(min=0)), pick >= 0
 
 
-def _picked_impl(loc, pick, backend):
-    if backend == "triton":
-        from .indexer_topk_triton import picked_rows_triton
-        return picked_rows_triton(loc, pick)
-    return picked_rows_ref(loc, pick)
-
-
-def _picked_fake(loc, pick, backend):
+def _picked_fake(loc, pick):
     return loc.new_empty(pick.shape), pick.new_empty(pick.shape, dtype=torch.bool)
 
 
-define_op("picked_rows", "(Tensor loc, Tensor pick, str backend) -> (Tensor, Tensor)",
-          _picked_impl, _picked_fake)
+define_op("picked_rows", "(Tensor loc, Tensor pick) -> (Tensor, Tensor)", picked_rows_ref,
+          _picked_fake, triton="indexer_topk_triton.picked_rows_triton")
 
 
 def picked_rows(loc: torch.Tensor, pick: torch.Tensor, *,
@@ -151,4 +137,4 @@ def picked_rows(loc: torch.Tensor, pick: torch.Tensor, *,
     check_tensor("loc", loc, dim=2)
     check_tensor("pick", pick, dtype=torch.int64, shape=(loc.shape[0], None), device=loc.device)
     backend = resolve("picked_rows", loc.device, kernel.backend)
-    return ops.picked_rows(loc, pick.contiguous() if backend == "triton" else pick, backend)
+    return op("picked_rows", backend)(loc, pick.contiguous() if backend == "triton" else pick)

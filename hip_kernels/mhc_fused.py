@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from .backend import resolve
 from .checks import check_kernel, check_tensor
-from .library import define_op, ops
+from .library import define_op, op
 from .mhc_split import hc_split_ref
 from .options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 
@@ -58,37 +58,22 @@ def hc_post_ref(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
     return (post.unsqueeze(-1) * out.float().unsqueeze(-2) + mixed).to(out.dtype)
 
 
-def _pre_impl(x, fn, scale, base, norm_weight, mix_eps, iters, hc_eps, norm_eps, reference,
-              backend):
-    if backend == "triton":
-        from .mhc_fused_triton import hc_pre_triton
-        return hc_pre_triton(x, fn, scale, base, norm_weight, mix_eps, iters, hc_eps, norm_eps)
-    return hc_pre_ref(x, fn, scale, base, norm_weight, mix_eps, iters, hc_eps, norm_eps,
-                      reference)
-
-
 def _pre_fake(x, fn, scale, base, norm_weight, *rest):
     n, hc, d = x.shape
     f32 = torch.float32
     return x.new_empty(n, d), x.new_empty(n, hc, dtype=f32), x.new_empty(n, hc, hc, dtype=f32)
 
 
-def _post_impl(out, residual, post, comb, backend):
-    if backend == "triton":
-        from .mhc_fused_triton import hc_post_triton
-        return hc_post_triton(out, residual, post, comb)
-    return hc_post_ref(out, residual, post, comb)
-
-
-def _post_fake(out, residual, post, comb, backend):
+def _post_fake(out, residual, post, comb):
     return residual.new_empty(residual.shape, dtype=out.dtype)
 
 
 define_op("hc_pre", "(Tensor x, Tensor fn, Tensor scale, Tensor base, Tensor? norm_weight, "
-          "float mix_eps, int iters, float hc_eps, float norm_eps, bool reference, str backend) "
-          "-> (Tensor, Tensor, Tensor)", _pre_impl, _pre_fake)
-define_op("hc_post", "(Tensor out, Tensor residual, Tensor post, Tensor comb, str backend) "
-          "-> Tensor", _post_impl, _post_fake)
+          "float mix_eps, int iters, float hc_eps, float norm_eps, bool reference) "
+          "-> (Tensor, Tensor, Tensor)", hc_pre_ref, _pre_fake,
+          triton="mhc_fused_triton.hc_pre_triton")
+define_op("hc_post", "(Tensor out, Tensor residual, Tensor post, Tensor comb) -> Tensor",
+          hc_post_ref, _post_fake, triton="mhc_fused_triton.hc_post_triton")
 
 
 def _is_pow2(n: int) -> bool:
@@ -120,8 +105,8 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
     if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
         raise ValueError(f"iters must be an int >= 1, got {iters!r}")
     backend = resolve("hc_pre", x.device, kernel.backend, triton_ok=_is_pow2(hc))
-    return ops.hc_pre(x.contiguous(), fn.contiguous(), scale, base, norm_weight, float(mix_eps),
-                      iters, float(hc_eps), float(norm_eps), reference, backend)
+    return op("hc_pre", backend)(x.contiguous(), fn.contiguous(), scale, base, norm_weight,
+                                 float(mix_eps), iters, float(hc_eps), float(norm_eps), reference)
 
 
 def hc_post(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
@@ -136,5 +121,5 @@ def hc_post(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb:
     check_tensor("post", post, dtype=torch.float32, shape=(n, hc), device=residual.device)
     check_tensor("comb", comb, dtype=torch.float32, shape=(n, hc, hc), device=residual.device)
     backend = resolve("hc_post", residual.device, kernel.backend, triton_ok=_is_pow2(hc))
-    return ops.hc_post(out.contiguous(), residual.contiguous(), post.contiguous(),
-                       comb.contiguous(), backend)
+    return op("hc_post", backend)(out.contiguous(), residual.contiguous(), post.contiguous(),
+                                  comb.contiguous())

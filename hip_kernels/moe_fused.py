@@ -38,13 +38,12 @@ import torch.nn.functional as F
 
 from .backend import resolve
 from .checks import check_kernel, check_tensor
-from .library import define_op, ops
+from .library import define_op, op
 from .options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 from .platform import FNUZ
 from .quant_linear import (FP4_SCALE_DTYPES, FP4_WEIGHT_DTYPES, FP8_SCALE_DTYPES,
                            FP8_WEIGHT_DTYPES)
-from .quant_linear import _run as quant_linear_run
-from .quant_linear_ref import ACT_BLOCK, FP4_BLOCK
+from .quant_linear_ref import ACT_BLOCK, FP4_BLOCK, fp4_grouped_linear_ref, fp8_linear_ref
 
 SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
 
@@ -108,7 +107,7 @@ def moe_routed_ref(x, weights, indices, w1, w3, w2, w1_scale, w3_scale, w2_scale
 
     def grouped(rows, w, scale):
         if scale is not None:
-            return quant_linear_run(rows, w, scale, offs, True, "torch", dialect, True)
+            return fp4_grouped_linear_ref(rows, w, scale, offs, True, dialect)
         return torch._grouped_mm(rows, w.transpose(1, 2), offs=offs)
 
     h = weights.flatten()[order, None] * swiglu(grouped(xs, w1, w1_scale),
@@ -121,19 +120,11 @@ def moe_routed_ref(x, weights, indices, w1, w3, w2, w1_scale, w3_scale, w2_scale
 def moe_shared_ref(routed, x, w1, w3, w2, w1_scale, w3_scale, w2_scale, swiglu_limit):
     def dense(v, w, scale):
         if scale is not None:
-            return quant_linear_run(v, w, scale, None, True, "torch", "ocp", False)
+            return fp8_linear_ref(v, w, scale, True, torch.bfloat16)
         return F.linear(v, w)
 
     h = swiglu(dense(x, w1, w1_scale), dense(x, w3, w3_scale), swiglu_limit)
     return (routed + dense(h.to(x.dtype), w2, w2_scale)).to(x.dtype)
-
-
-def _route_impl(x, gate_weight, bias, tid2eid, input_ids, k, route_scale, score_func, backend):
-    if backend == "triton":
-        from .moe_fused_triton import moe_route_triton
-        return moe_route_triton(x, gate_weight, bias, tid2eid, input_ids, k, route_scale,
-                                score_func)
-    return moe_route_ref(x, gate_weight, bias, tid2eid, input_ids, k, route_scale, score_func)
 
 
 def _route_fake(x, gate_weight, bias, tid2eid, input_ids, k, *rest):
@@ -141,32 +132,8 @@ def _route_fake(x, gate_weight, bias, tid2eid, input_ids, k, *rest):
     return x.new_empty(n, k, dtype=torch.float32), x.new_empty(n, k, dtype=torch.int64)
 
 
-def _routed_impl(x, weights, indices, w1, w3, w2, w1_scale, w3_scale, w2_scale, swiglu_limit,
-                 dialect, backend):
-    if backend == "triton" and w1_scale is None:
-        from .moe_fused_triton import moe_routed_triton
-        return moe_routed_triton(x, weights, indices, w1, w3, w2, swiglu_limit)
-    if backend == "triton":
-        from .moe_fused_quant_triton import moe_routed_fp4_triton
-        return moe_routed_fp4_triton(x, weights, indices, w1, w3, w2, w1_scale, w3_scale,
-                                     w2_scale, swiglu_limit, dialect)
-    return moe_routed_ref(x, weights, indices, w1, w3, w2, w1_scale, w3_scale, w2_scale,
-                          swiglu_limit, dialect)
-
-
 def _routed_fake(x, *rest):
     return x.new_empty(x.shape, dtype=torch.float32)
-
-
-def _shared_impl(routed, x, w1, w3, w2, w1_scale, w3_scale, w2_scale, swiglu_limit, backend):
-    if backend == "triton" and w1_scale is None:
-        from .moe_fused_triton import moe_shared_triton
-        return moe_shared_triton(routed, x, w1, w3, w2, swiglu_limit)
-    if backend == "triton":
-        from .moe_fused_quant_triton import moe_shared_fp8_triton
-        return moe_shared_fp8_triton(routed, x, w1, w3, w2, w1_scale, w3_scale, w2_scale,
-                                     swiglu_limit)
-    return moe_shared_ref(routed, x, w1, w3, w2, w1_scale, w3_scale, w2_scale, swiglu_limit)
 
 
 def _shared_fake(routed, x, *rest):
@@ -175,12 +142,13 @@ def _shared_fake(routed, x, *rest):
 
 MLP = "Tensor w1, Tensor w3, Tensor w2, Tensor? w1_scale, Tensor? w3_scale, Tensor? w2_scale"
 define_op("moe_route", "(Tensor x, Tensor gate_weight, Tensor? bias, Tensor? tid2eid, "
-          "Tensor? input_ids, int k, float route_scale, str score_func, str backend) "
-          "-> (Tensor, Tensor)", _route_impl, _route_fake)
+          "Tensor? input_ids, int k, float route_scale, str score_func) -> (Tensor, Tensor)",
+          moe_route_ref, _route_fake, triton="moe_fused_triton.moe_route_triton")
 define_op("moe_routed", f"(Tensor x, Tensor weights, Tensor indices, {MLP}, float swiglu_limit, "
-          "str dialect, str backend) -> Tensor", _routed_impl, _routed_fake)
-define_op("moe_shared", f"(Tensor routed, Tensor x, {MLP}, float swiglu_limit, str backend) "
-          "-> Tensor", _shared_impl, _shared_fake)
+          "str dialect) -> Tensor", moe_routed_ref, _routed_fake,
+          triton="moe_fused_quant_triton.moe_routed_triton")
+define_op("moe_shared", f"(Tensor routed, Tensor x, {MLP}, float swiglu_limit) -> Tensor",
+          moe_shared_ref, _shared_fake, triton="moe_fused_quant_triton.moe_shared_triton")
 
 
 def _contiguous(*tensors) -> bool:
@@ -265,9 +233,8 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, k: int, route_scale: f
         check_tensor("input_ids", input_ids, shape=(x.shape[0],), device=x.device)
     backend = resolve("moe_route", x.device, kernel.backend,
                       triton_ok=_contiguous(gate_weight, *([] if tid2eid is None else [tid2eid])))
-    return ops.moe_route(x.contiguous(), gate_weight, bias, tid2eid, input_ids, k,
-                         float(route_scale),
-                         score_func, backend)
+    return op("moe_route", backend)(x.contiguous(), gate_weight, bias, tid2eid, input_ids, k,
+                                    float(route_scale), score_func)
 
 
 def moe_routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, w1: torch.Tensor,
@@ -289,8 +256,8 @@ def moe_routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, w1
     _check_mlp(x, w1, w3, w2, scales, w1.shape[0] if isinstance(w1, torch.Tensor) else None)
     backend = resolve("moe_routed", x.device, kernel.backend,
                       triton_ok=_contiguous(w1, w3, w2, *(s for s in scales if s is not None)))
-    return ops.moe_routed(x.contiguous(), weights, indices, w1, w3, w2, *scales,
-                          float(swiglu_limit), kernel.fp8_dialect.name, backend)
+    return op("moe_routed", backend)(x.contiguous(), weights, indices, w1, w3, w2, *scales,
+                                     float(swiglu_limit), kernel.fp8_dialect.name)
 
 
 def moe_shared(routed: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
@@ -309,5 +276,5 @@ def moe_shared(routed: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w3: torc
     backend = resolve("moe_shared", x.device, kernel.backend,
                       triton_ok=_contiguous(w1, w3, w2, *(s for s in scales if s is not None))
                       and not fnuz_ocp)
-    return ops.moe_shared(routed, x.contiguous(), w1, w3, w2, w1_scale, w3_scale, w2_scale,
-                          float(swiglu_limit), backend)
+    return op("moe_shared", backend)(routed, x.contiguous(), w1, w3, w2, w1_scale, w3_scale,
+                                     w2_scale, float(swiglu_limit))

@@ -25,11 +25,11 @@ import torch
 
 from .backend import resolve
 from .checks import check_kernel, check_tensor, value_checks_enabled
-from .library import define_op, ops
+from .library import define_op, op
 from .options import DEFAULT_KERNEL_OPTIONS, KernelOptions
-from .platform import DIALECTS, FNUZ, OCP
-from .quant_linear_ref import (ACT_BLOCK, FP4_BLOCK, SCALE_FORMATS, act_quant, fp8_gemm_ref,
-                               grouped_linear_ref)
+from .platform import FNUZ
+from .quant_linear_ref import (ACT_BLOCK, FP4_BLOCK, SCALE_FORMATS, fp4_grouped_linear_ref,
+                               fp8_grouped_linear_ref, fp8_linear_ref)
 
 FP8_WEIGHT_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 FP8_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e8m0fnu, torch.uint8)
@@ -38,53 +38,22 @@ FP4_SCALE_DTYPES = (torch.float8_e8m0fnu, torch.uint8)
 FP8_LINEAR_OUT_DTYPES = (torch.bfloat16, torch.float32)
 
 
-def _weight_dialect(weight: torch.Tensor):
-    return FNUZ if weight.dtype == torch.float8_e4m3fnuz else OCP
-
-
-def _run(x, weight, weight_scale, offs, round_scale, backend, dialect, fp4,
-         out_dtype=torch.bfloat16):
-    scale_fmt = "ue8m0" if round_scale else None
-    if backend == "triton":
-        from .quant_linear_triton import quant_linear_triton
-        dense = offs is None
-        return quant_linear_triton(x, weight[None] if dense else weight,
-                                   weight_scale[None] if dense else weight_scale, offs,
-                                   round_scale, fp4, DIALECTS[dialect], out_dtype)
-    if offs is None:
-        q, s = act_quant(x, scale_fmt, _weight_dialect(weight))
-        return fp8_gemm_ref(q, s, weight, weight_scale, out_dtype)
-    act_dialect = DIALECTS[dialect] if fp4 else _weight_dialect(weight)
-    return grouped_linear_ref(x, weight, weight_scale, offs, scale_fmt, act_dialect, fp4)
-
-
 def _fake(x, weight, weight_scale, *rest):
     return x.new_empty(x.shape[0], weight.shape[-2], dtype=torch.bfloat16)
 
 
-def _fp8_linear(x, weight, weight_scale, round_scale, backend, out_dtype):
-    return _run(x, weight, weight_scale, None, round_scale, backend, "ocp", False, out_dtype)
-
-
-def _fp8_linear_fake(x, weight, weight_scale, round_scale, backend, out_dtype):
+def _fp8_linear_fake(x, weight, weight_scale, round_scale, out_dtype):
     return x.new_empty(x.shape[0], weight.shape[-2], dtype=out_dtype)
 
 
-def _fp8_grouped_linear(x, weight, weight_scale, offs, round_scale, backend):
-    return _run(x, weight, weight_scale, offs, round_scale, backend, "ocp", False)
-
-
-def _fp4_grouped_linear(x, weight, weight_scale, offs, round_scale, backend, dialect):
-    return _run(x, weight, weight_scale, offs, round_scale, backend, dialect, True)
-
-
 WEIGHTS = "Tensor x, Tensor weight, Tensor weight_scale"
-define_op("fp8_linear", f"({WEIGHTS}, bool round_scale, str backend, ScalarType out_dtype) "
-          "-> Tensor", _fp8_linear, _fp8_linear_fake)
-define_op("fp8_grouped_linear", f"({WEIGHTS}, Tensor offs, bool round_scale, str backend) "
-          "-> Tensor", _fp8_grouped_linear, _fake)
-define_op("fp4_grouped_linear", f"({WEIGHTS}, Tensor offs, bool round_scale, str backend, "
-          "str dialect) -> Tensor", _fp4_grouped_linear, _fake)
+define_op("fp8_linear", f"({WEIGHTS}, bool round_scale, ScalarType out_dtype) -> Tensor",
+          fp8_linear_ref, _fp8_linear_fake, triton="quant_linear_triton.fp8_linear_triton")
+define_op("fp8_grouped_linear", f"({WEIGHTS}, Tensor offs, bool round_scale) -> Tensor",
+          fp8_grouped_linear_ref, _fake, triton="quant_linear_triton.fp8_grouped_linear_triton")
+define_op("fp4_grouped_linear", f"({WEIGHTS}, Tensor offs, bool round_scale, str dialect) "
+          "-> Tensor", fp4_grouped_linear_ref, _fake,
+          triton="quant_linear_triton.fp4_grouped_linear_triton")
 
 
 def _check_x(x) -> int:
@@ -146,8 +115,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     n = weight.shape[0] if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
     _check_weight(weight, weight_scale, (None, k), (-(-(n or 0) // ACT_BLOCK), k // ACT_BLOCK),
                   FP8_WEIGHT_DTYPES, FP8_SCALE_DTYPES, x.device)
-    return ops.fp8_linear(x, weight, weight_scale, round_scale,
-                          _fp8_backend("fp8_linear", x, weight, kernel), out_dtype)
+    backend = _fp8_backend("fp8_linear", x, weight, kernel)
+    return op("fp8_linear", backend)(x, weight, weight_scale, round_scale, out_dtype)
 
 
 def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -165,8 +134,8 @@ def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
                   (e, -(-n // ACT_BLOCK), k // ACT_BLOCK), FP8_WEIGHT_DTYPES, FP8_SCALE_DTYPES,
                   x.device)
     _check_offs(offs, e, x, kernel)
-    return ops.fp8_grouped_linear(x, weight, weight_scale, offs, round_scale,
-                                  _fp8_backend("fp8_grouped_linear", x, weight, kernel))
+    backend = _fp8_backend("fp8_grouped_linear", x, weight, kernel)
+    return op("fp8_grouped_linear", backend)(x, weight, weight_scale, offs, round_scale)
 
 
 def fp4_grouped_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -185,6 +154,6 @@ def fp4_grouped_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
     _check_weight(weight, weight_scale, (None, None, k // 2), (e, n, k // FP4_BLOCK),
                   FP4_WEIGHT_DTYPES, FP4_SCALE_DTYPES, x.device)
     _check_offs(offs, e, x, kernel)
-    return ops.fp4_grouped_linear(x, weight, weight_scale, offs, round_scale,
-                                  resolve("fp4_grouped_linear", x.device, kernel.backend),
-                                  kernel.fp8_dialect.name)
+    backend = resolve("fp4_grouped_linear", x.device, kernel.backend)
+    return op("fp4_grouped_linear", backend)(x, weight, weight_scale, offs, round_scale,
+                                             kernel.fp8_dialect.name)

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from . import quant_linear_ref as R
-from .platform import FNUZ, OCP, triton_interpreted
+from .platform import DIALECTS, FNUZ, OCP, triton_interpreted
 from .triton_kv_row import fp8_type
 
 AMAX_FLOOR = tl.constexpr(R.AMAX_FLOOR)
@@ -287,3 +287,20 @@ def quant_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
                                 GROUPED=grouped, BLOCK_M=bm, BLOCK_N=bn, EXACT_DOT=exact,
                                 **LAUNCH_OPTIONS)
     return out
+
+
+def fp8_linear_triton(x, weight, weight_scale, round_scale, out_dtype):
+    """The fp8_linear op's triton backend: a dense linear is one group."""
+    return quant_linear_triton(x, weight[None], weight_scale[None], None, round_scale, False, OCP,
+                               out_dtype)
+
+
+def fp8_grouped_linear_triton(x, weight, weight_scale, offs, round_scale):
+    """The fp8_grouped_linear op's triton backend."""
+    return quant_linear_triton(x, weight, weight_scale, offs, round_scale, False, OCP)
+
+
+def fp4_grouped_linear_triton(x, weight, weight_scale, offs, round_scale, dialect):
+    """The fp4_grouped_linear op's triton backend (dialect: the fp8 dialect's name)."""
+    return quant_linear_triton(x, weight, weight_scale, offs, round_scale, True,
+                               DIALECTS[dialect])

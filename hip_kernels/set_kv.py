@@ -1,4 +1,8 @@
-"""Public set-KV ops: check arguments, resolve the backend, run.
+"""The set-KV family: the public stores (check the arguments, resolve the backend, run one
+dispatcher op) and their ops, `torch.ops.dsv4.<name>` (`SCHEMAS`), one per call whichever
+backend runs it: the torch reference (`set_kv_ref`), Triton (`set_kv_triton`) or, for the three
+fused stores, HIP C++ (`set_kv_hip`), each backend's function registered as the op's overload
+of that backend (see `library`).
 
 All writers skip rows whose location is negative. `kernel` (a `KernelOptions`) picks the
 backend, the host checks and the fp8 dialect. K/V holding NaN or inf is stored poisoned, the
@@ -6,25 +10,66 @@ same bytes in every backend (see `kv_layout`), or refused with `kernel.refuse_no
 check happens before any cache byte is written; with value checks on, a slot >= 1 given twice
 in one call is refused (off: which row lands is undefined; the dummy slot 0 may always repeat).
 `numerics` (a `numerics.StoreNumerics`) makes a store write what another writer of the same
-layout writes; the default is this project's numerics. Each op then runs as one dispatcher op,
-`torch.ops.dsv4.<name>` (see `set_kv_ops`), whichever backend implements it.
+layout writes; the default is this project's numerics.
+
+The ops take already checked arguments: the fp8 dialect's name and the StoreNumerics fields are
+plain arguments, so a recorded call replays the same kernel. They only write their mutated
+arguments: they return nothing.
 """
 
 from __future__ import annotations
 
+from dataclasses import astuple
+
 import torch
 
 from . import kv_layout as L
-from .backend import resolve
+from . import set_kv_ref
+from .backend import HIP_OPS, resolve
 from .checks import (check_cache, check_eps, check_finite, check_kv_cache, check_locations,
                      check_kernel, check_page_size, check_slot_values, check_tensor,
                      value_checks_enabled)
+from .library import define_op, op
 from .numerics import DEFAULT_NUMERICS, REFERENCE_NUMERICS, StoreNumerics
 from .options import DEFAULT_KERNEL_OPTIONS, KernelOptions
-from .set_kv_ops import numerics_args, ops
 from .set_kv_ref import translate_full_to_swa
 
 FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+
+NUMERICS_ARGS = "bool round_to_bf16, float? fp8_max, float amax_floor, str q_mode, str rms"
+SCHEMAS = {
+    "fused_k_norm_rope_store": (
+        "Tensor kv, Tensor? weight, float eps, Tensor freqs_cis, Tensor positions, "
+        "Tensor out_loc, Tensor(a!) cache, int page_size, Tensor(b!)? q, str dialect, "
+        f"{NUMERICS_ARGS}"),
+    "fused_store_cache": (
+        f"Tensor rows, Tensor(a!) cache, Tensor out_loc, int page_size, str dialect, "
+        f"{NUMERICS_ARGS}"),
+    "store_kv_pack": (
+        "Tensor nope_fp8, Tensor rope_bf16, Tensor scales, Tensor(a!) cache, Tensor out_loc, "
+        "int page_size"),
+    "indexer_store": (
+        "Tensor k, Tensor(a!) cache, Tensor out_loc, int page_size, str dialect, "
+        "bool pow2_scale"),
+    "fused_translate_norm_rope_store": (
+        "Tensor kv, Tensor? weight, float eps, Tensor freqs_cis, Tensor positions, "
+        "Tensor full_loc, Tensor full_to_swa, Tensor(a!) cache, int page_size, "
+        f"Tensor(b!)? swa_loc_out, Tensor(c!)? q, str dialect, {NUMERICS_ARGS}"),
+}
+
+
+def _no_output(*args) -> None:
+    return None
+
+
+def _define_ops() -> None:
+    for name, args in SCHEMAS.items():
+        define_op(name, f"({args}) -> ()", getattr(set_kv_ref, name), _no_output,
+                  triton=f"set_kv_triton.{name}",
+                  hip=f"set_kv_hip.{name}" if name in HIP_OPS else None)
+
+
+_define_ops()
 
 
 def _check_norm_rope_args(kv, weight, eps, freqs_cis, positions, cache, page_size, kernel):
@@ -93,9 +138,9 @@ def fused_k_norm_rope_store(kv, weight, eps, freqs_cis, positions, out_loc, cach
                     kernel)
     backend = resolve("fused_k_norm_rope_store", kv.device, kernel.backend,
                       hip_ok=_hip_ok(numerics, cache, weight is not None))
-    ops.fused_k_norm_rope_store(kv, weight, float(eps), freqs_cis, positions, out_loc, cache,
-                                page_size, q, backend, kernel.fp8_dialect.name,
-                                *numerics_args(numerics))
+    op("fused_k_norm_rope_store", backend)(kv, weight, float(eps), freqs_cis, positions, out_loc,
+                                           cache, page_size, q, kernel.fp8_dialect.name,
+                                           *astuple(numerics))
 
 
 def fused_store_cache(rows, cache, out_loc, page_size,
@@ -110,8 +155,8 @@ def fused_store_cache(rows, cache, out_loc, page_size,
     check_finite("rows", rows, kernel)
     backend = resolve("fused_store_cache", rows.device, kernel.backend,
                       hip_ok=_hip_ok(numerics, cache))
-    ops.fused_store_cache(rows, cache, out_loc, page_size, backend, kernel.fp8_dialect.name,
-                          *numerics_args(numerics))
+    op("fused_store_cache", backend)(rows, cache, out_loc, page_size, kernel.fp8_dialect.name,
+                                     *astuple(numerics))
 
 
 def store_kv_pack(nope_fp8, rope_bf16, scales, cache, out_loc, page_size, *,
@@ -129,8 +174,8 @@ def store_kv_pack(nope_fp8, rope_bf16, scales, cache, out_loc, page_size, *,
                  last_contiguous=True)
     check_kv_cache("cache", cache, page_size, dev)
     check_locations("out_loc", out_loc, n, cache.shape[0] * page_size, dev, kernel)
-    ops.store_kv_pack(nope_fp8, rope_bf16, scales, cache, out_loc, page_size,
-                      resolve("store_kv_pack", dev, kernel.backend))
+    backend = resolve("store_kv_pack", dev, kernel.backend)
+    op("store_kv_pack", backend)(nope_fp8, rope_bf16, scales, cache, out_loc, page_size)
 
 
 def indexer_store(k, cache, out_loc, page_size, pow2_scale: bool = False, *,
@@ -147,9 +192,8 @@ def indexer_store(k, cache, out_loc, page_size, pow2_scale: bool = False, *,
     check_finite("k", k, kernel)
     if not isinstance(pow2_scale, bool):
         raise TypeError(f"pow2_scale must be a bool, got {type(pow2_scale).__name__}")
-    ops.indexer_store(k, cache, out_loc, page_size,
-                      resolve("indexer_store", k.device, kernel.backend), kernel.fp8_dialect.name,
-                      pow2_scale)
+    backend = resolve("indexer_store", k.device, kernel.backend)
+    op("indexer_store", backend)(k, cache, out_loc, page_size, kernel.fp8_dialect.name, pow2_scale)
 
 
 def fused_translate_norm_rope_store(kv, weight, eps, freqs_cis, positions, full_loc, full_to_swa,
@@ -175,6 +219,6 @@ def fused_translate_norm_rope_store(kv, weight, eps, freqs_cis, positions, full_
             f"slot {{hi}} but the cache has {capacity} slots")
     backend = resolve("fused_translate_norm_rope_store", dev, kernel.backend,
                       hip_ok=_hip_ok(numerics, cache, weight is not None))
-    ops.fused_translate_norm_rope_store(kv, weight, float(eps), freqs_cis, positions, full_loc,
-                                        full_to_swa, cache, page_size, swa_loc_out, q, backend,
-                                        kernel.fp8_dialect.name, *numerics_args(numerics))
+    op("fused_translate_norm_rope_store", backend)(
+        kv, weight, float(eps), freqs_cis, positions, full_loc, full_to_swa, cache, page_size,
+        swa_loc_out, q, kernel.fp8_dialect.name, *astuple(numerics))

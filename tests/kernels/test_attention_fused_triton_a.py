@@ -16,7 +16,7 @@ from hip_kernels.indexer_query import indexer_query, indexer_query_ref  # noqa: 
 from hip_kernels.kv_layout import pow2_ceil_exponent  # noqa: E402
 from hip_kernels.platform import default_device  # noqa: E402
 from hip_kernels.rotary import rope_tail  # noqa: E402
-from op_recorder import recorded_calls  # noqa: E402
+from op_recorder import backends  # noqa: E402
 from triton_interp_shim import interpreter_shim  # noqa: E402,F401 (autouse: bf16 rounds as GPUs)
 
 DEV = default_device()   # the GPU where there is one (Triton compiled), else the CPU (interpreted)
@@ -132,8 +132,8 @@ def test_grouped_out_proj_inverse_rope_gives_the_reference_bits():
 
 
 def dispatched_backend(call):
-    (args,) = [a for name, a in recorded_calls(call) if name.startswith("dsv4::")]
-    return args[-1]
+    (backend,) = backends(call)
+    return backend
 
 
 def test_the_wrappers_resolve_triton_when_asked_and_torch_on_a_cpu_by_default():

@@ -10,7 +10,7 @@ pytest.importorskip("triton")
 from hip_kernels.compressor_update import compressor_project, compressor_update  # noqa: E402
 from hip_kernels.options import KernelOptions  # noqa: E402
 from hip_kernels.platform import default_device  # noqa: E402
-from op_recorder import recorded_calls  # noqa: E402
+from op_recorder import backends  # noqa: E402
 from triton_interp_shim import interpreter_shim  # noqa: E402,F401 (autouse fixture)
 
 DEV = default_device()   # the GPU where there is one (Triton compiled), else the CPU (interpreted)
@@ -177,5 +177,5 @@ def test_the_update_runs_triton_where_the_kernel_covers_the_shape(d, want):
     x, wkv, wgate, ape, state, table, w = tensors(4, 64, d, 16, 24, 32, 16, d, seed=2)
     new = compressor_project(x, wkv, wgate, ape, torch.arange(4, device=DEV), 16)
     kw = update_kw(d, 16, 16, False, False, True, table, w)
-    calls = recorded_calls(lambda: ring_after(Plan(16, **NO_WINDOW), state, new, TRITON, **kw))
-    assert [args[-1] for name, args in calls if name == "dsv4::compressor_update"] == [want]
+    assert backends(lambda: ring_after(Plan(16, **NO_WINDOW), state, new, TRITON, **kw),
+                    "dsv4::compressor_update") == [want]

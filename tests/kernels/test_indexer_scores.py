@@ -24,7 +24,8 @@ from hip_kernels.indexer_scores import indexer_scores, indexer_scores_ref  # noq
 from hip_kernels.backend import BackendUnavailable  # noqa: E402
 from hip_kernels import platform as P  # noqa: E402
 from hip_kernels.platform import default_device  # noqa: E402
-from op_recorder import recorded_calls  # noqa: E402
+from hip_kernels.library import op  # noqa: E402
+from op_recorder import backends, recorded_calls  # noqa: E402
 from triton_interp_shim import interpreter_shim  # noqa: E402,F401 (autouse fixture)
 
 PAGE = 16
@@ -78,11 +79,11 @@ def both_backends(dialect, *args):
 
 
 def run_recorded(*args, **kwargs) -> tuple:
-    """(the backend argument of the op, the scores) of indexer_scores(*args, **kwargs)."""
+    """(the backend that ran the op, the scores) of indexer_scores(*args, **kwargs)."""
     out = []
-    calls = recorded_calls(lambda: out.append(indexer_scores(*args, **kwargs)))
-    (op_args,) = [a for name, a in calls if name == "dsv4::indexer_scores"]
-    return op_args[-2], out[0]
+    (backend,) = backends(lambda: out.append(indexer_scores(*args, **kwargs)),
+                          "dsv4::indexer_scores")
+    return backend, out[0]
 
 
 def bf16_ulp(x):
@@ -279,9 +280,9 @@ def test_bad_arguments_are_named(bad, error, match):
 
 def test_the_meta_implementation_gives_the_shape_and_dtype():
     meta = dict(device="meta")
-    out = torch.ops.dsv4.indexer_scores(
+    out = op("indexer_scores", "triton")(
         torch.empty(3, 8, 128, **meta), torch.empty(3, 8, dtype=torch.bfloat16, **meta),
         torch.empty(2, L.indexer_page_bytes(PAGE), dtype=torch.uint8, **meta),
         torch.empty(3, 11, dtype=torch.int64, **meta), torch.empty(3, 11, dtype=torch.bool, **meta),
-        PAGE, "triton", "ocp")
+        PAGE, "ocp")
     assert out.shape == (3, 11) and out.dtype == torch.bfloat16

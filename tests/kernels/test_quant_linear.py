@@ -23,10 +23,10 @@ from hip_kernels import (KernelOptions, act_quant, fp4_grouped_linear,  # noqa: 
 from hip_kernels import quant_linear_ref as R  # noqa: E402
 from hip_kernels import quant_linear_triton as T  # noqa: E402
 from hip_kernels.capture import set_emulated_capture  # noqa: E402
-from hip_kernels.library import ops  # noqa: E402
+from hip_kernels.library import op  # noqa: E402
 from hip_kernels.platform import FNUZ, OCP  # noqa: E402
 from launch_recorder import LaunchRecorder  # noqa: E402
-from op_recorder import op_names, recorded_calls  # noqa: E402
+from op_recorder import op_names, recorded_ops  # noqa: E402
 from quant_inputs import e8m0, fp4_weight, fp8_weight, gen, rows  # noqa: E402
 from triton_interp_shim import interpreter_shim  # noqa: E402,F401 (autouse fixture)
 
@@ -349,18 +349,17 @@ def test_triton_asked_runs_triton_unless_the_weights_are_ocp_on_an_fnuz_platform
     x, w, ws = small_args(g)["fp8_linear"]
     w = w.view(torch.uint8).clamp(max=0x7e).view(weight_dtype)   # no NaN in either dialect
     kernel = replace(TRITON, fp8_dialect=platform)
-    calls = recorded_calls(lambda: fp8_linear(x, w, ws, kernel=kernel))
-    assert [(name, [a for a in args if a in ("torch", "triton", "hip")]) for name, args in calls
-            ] == [("dsv4::fp8_linear", [backend])]
+    calls = recorded_ops(lambda: fp8_linear(x, w, ws, kernel=kernel))
+    assert [(name, overload) for name, overload, _ in calls] == [("dsv4::fp8_linear", backend)]
 
 
 def test_meta_tensors_give_the_output_shape():
     args = small_args(gen(9))
     x, w, ws = (t.to("meta") for t in args["fp8_linear"])
-    assert ops.fp8_linear(x, w, ws, True, "torch", torch.bfloat16).shape == (2, 64)
-    assert ops.fp8_linear(x, w, ws, True, "torch", torch.float32).dtype == torch.float32
+    assert op("fp8_linear", "torch")(x, w, ws, True, torch.bfloat16).shape == (2, 64)
+    assert op("fp8_linear", "triton")(x, w, ws, True, torch.float32).dtype == torch.float32
     x, w, ws, offs = (t.to("meta") for t in args["fp4_grouped_linear"])
-    out = ops.fp4_grouped_linear(x, w, ws, offs, True, "torch", "ocp")
+    out = op("fp4_grouped_linear", "triton")(x, w, ws, offs, True, "ocp")
     assert out.shape == (2, 64) and out.dtype == torch.bfloat16
 
 
