@@ -19,8 +19,6 @@ arguments: they return nothing.
 
 from __future__ import annotations
 
-from dataclasses import astuple
-
 import torch
 
 from . import kv_layout as L
@@ -113,6 +111,12 @@ def _hip_ok(numerics: StoreNumerics, cache, has_weight: bool = True) -> bool:
             and has_weight)
 
 
+def _fields(numerics: StoreNumerics) -> tuple:
+    """The StoreNumerics fields in the ops' order (NUMERICS_ARGS)."""
+    return (numerics.round_to_bf16, numerics.fp8_max, numerics.amax_floor, numerics.q_mode,
+            numerics.rms)
+
+
 def _check_numerics(numerics, kernel: KernelOptions) -> StoreNumerics:
     """numerics, a StoreNumerics whose fp8_max the kernel's FP8 dialect can hold (kernel
     checked first)."""
@@ -140,7 +144,7 @@ def fused_k_norm_rope_store(kv, weight, eps, freqs_cis, positions, out_loc, cach
                       hip_ok=_hip_ok(numerics, cache, weight is not None))
     op("fused_k_norm_rope_store", backend)(kv, weight, float(eps), freqs_cis, positions, out_loc,
                                            cache, page_size, q, kernel.fp8_dialect.name,
-                                           *astuple(numerics))
+                                           *_fields(numerics))
 
 
 def fused_store_cache(rows, cache, out_loc, page_size,
@@ -156,7 +160,7 @@ def fused_store_cache(rows, cache, out_loc, page_size,
     backend = resolve("fused_store_cache", rows.device, kernel.backend,
                       hip_ok=_hip_ok(numerics, cache))
     op("fused_store_cache", backend)(rows, cache, out_loc, page_size, kernel.fp8_dialect.name,
-                                     *astuple(numerics))
+                                     *_fields(numerics))
 
 
 def store_kv_pack(nope_fp8, rope_bf16, scales, cache, out_loc, page_size, *,
@@ -221,4 +225,4 @@ def fused_translate_norm_rope_store(kv, weight, eps, freqs_cis, positions, full_
                       hip_ok=_hip_ok(numerics, cache, weight is not None))
     op("fused_translate_norm_rope_store", backend)(
         kv, weight, float(eps), freqs_cis, positions, full_loc, full_to_swa, cache, page_size,
-        swa_loc_out, q, kernel.fp8_dialect.name, *astuple(numerics))
+        swa_loc_out, q, kernel.fp8_dialect.name, *_fields(numerics))

@@ -132,6 +132,9 @@ def moved_bytes(op: str, a: dict) -> int:
             + nbytes(a["swa_loc_out"]))
 
 
+NUMERICS = asdict(DEFAULT_NUMERICS)     # the ops' numerics arguments, made once
+
+
 def call(backend: str, op: str, a: dict, dialect) -> None:
     fn = dispatcher_op(op, backend)
     if op == "store_kv_pack":
@@ -139,7 +142,7 @@ def call(backend: str, op: str, a: dict, dialect) -> None:
     elif op == "indexer_store":
         fn(**a, dialect=dialect.name, pow2_scale=False)
     else:
-        fn(**a, dialect=dialect.name, **asdict(DEFAULT_NUMERICS))
+        fn(**a, dialect=dialect.name, **NUMERICS)
 
 
 def outputs_match_torch(backend: str, op: str, a: dict, dialect) -> bool:

@@ -61,3 +61,18 @@ def test_meta_tensors_trace_without_running_a_kernel(backend):
     store(args["kv"], args["weight"], 1e-6, args["freqs_cis"], args["positions"],
           args["out_loc"], args["cache"], 4, None, "ocp", True, None, 1e-4, "norm_rope", "exact")
     assert op("fused_k_norm_rope_store", "torch") is ops.fused_k_norm_rope_store.torch
+
+
+def test_the_ops_numerics_arguments_are_the_store_numerics_fields_in_order():
+    from dataclasses import astuple, fields
+
+    from hip_kernels import set_kv
+    from hip_kernels.numerics import StoreNumerics
+
+    host = StoreNumerics(round_to_bf16=False, fp8_max=224.0, amax_floor=1e-8, q_mode="rope_only",
+                         rms="device")
+    assert set_kv._fields(host) == astuple(host)
+    for name in ("fused_k_norm_rope_store", "fused_store_cache",
+                 "fused_translate_norm_rope_store"):
+        arguments = [a.name for a in getattr(ops, name).torch._schema.arguments]
+        assert arguments[-6:] == ["dialect"] + [f.name for f in fields(StoreNumerics)], name
