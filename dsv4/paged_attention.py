@@ -18,6 +18,7 @@ from hip_kernels import DEFAULT_KERNEL_OPTIONS, KernelOptions, kv_layout, set_kv
 from hip_kernels.decode_attention import sparse_decode_attention
 from hip_kernels.indexer_scores import indexer_scores
 from hip_kernels.indexer_topk import picked_rows
+from hip_kernels.platform import Fp8Dialect
 
 from . import streams
 
@@ -97,16 +98,17 @@ def select_rows(indexer: Indexer, qr, x, freqs, plan: CompressPlan, rows: slice,
     q = indexer.project_q(qr, freqs, options.reference, options.kernel)
     w = indexer.head_weights(x, options.reference)
     loc, visible = plan.row_loc[rows], plan.row_valid[rows]
-    scores = indexer_scores(q, w, cache, loc, visible, page_size, options=options.kernel)
+    scores = indexer_scores(q, w, cache, loc, visible, page_size, kernel=options.kernel)
     pick = indexer.select(scores, visible, options, plan.row_width[rows])
-    return picked_rows(loc, pick, options=options.kernel)
+    return picked_rows(loc, pick, kernel=options.kernel)
 
 
-def read_kv_shared(cache: torch.Tensor, loc: torch.Tensor, page_size: int) -> torch.Tensor:
+def read_kv_shared(cache: torch.Tensor, loc: torch.Tensor, page_size: int,
+                   dialect: Fp8Dialect) -> torch.Tensor:
     """read_kv_rows for an extend, where the queries of a request share most of their rows: each
     distinct row is dequantized once (torch.unique: a host sync, so not for graphs)."""
     distinct, inverse = torch.unique(loc, return_inverse=True)
-    return kv_layout.read_kv_rows(cache, distinct, page_size)[inverse]
+    return kv_layout.read_kv_rows(cache, distinct, page_size, dialect)[inverse]
 
 
 def attend(attn: Attention, q: torch.Tensor, qr: torch.Tensor, x: torch.Tensor,
@@ -135,12 +137,14 @@ def attend(attn: Attention, q: torch.Tensor, qr: torch.Tensor, x: torch.Tensor,
                 q[rows], caches.swa, *window, caches.swa_page_size,
                 caches.compressed if comp else None, *(comp or (None, None)),
                 caches.compressed_page_size, attn.attn_sink, attn.softmax_scale,
-                options.reference, options=options.kernel)
+                options.reference, kernel=options.kernel)
         else:
-            kv = [read_kv_shared(caches.swa, window[0], caches.swa_page_size)]
+            dialect = options.kernel.fp8_dialect
+            kv = [read_kv_shared(caches.swa, window[0], caches.swa_page_size, dialect)]
             valid = [window[1]]
             if comp:
-                kv.append(read_kv_shared(caches.compressed, comp[0], caches.compressed_page_size))
+                kv.append(read_kv_shared(caches.compressed, comp[0], caches.compressed_page_size,
+                                         dialect))
                 valid.append(comp[1])
             width = None if meta.window_width is None else meta.window_width[rows]
             o = attn.sparse_attention(q[rows], kv, valid, options.reference, width)
@@ -151,7 +155,7 @@ def attend(attn: Attention, q: torch.Tensor, qr: torch.Tensor, x: torch.Tensor,
 def store_compressed(caches, kernel: KernelOptions):
     return lambda rows, loc: set_kv.fused_store_cache(rows, caches.compressed, loc,
                                                       caches.compressed_page_size,
-                                                      options=kernel)
+                                                      kernel=kernel)
 
 
 def store_index_keys(caches, kernel: KernelOptions):
@@ -159,7 +163,7 @@ def store_index_keys(caches, kernel: KernelOptions):
     (2^ceil(log2(amax / FP8_MAX))), so the FP4-simulated keys (e2m1 values times a power of
     two: fp8 values) read back exactly. One dispatcher op; rows with loc < 0 write nothing."""
     return lambda rows, loc: set_kv.indexer_store(rows, caches.index, loc, caches.index_page_size,
-                                                  pow2_scale=True, options=kernel)
+                                                  pow2_scale=True, kernel=kernel)
 
 
 class PagedAttention:
@@ -211,11 +215,11 @@ class PagedAttention:
         if meta.swa_write_loc is None:
             set_kv.fused_translate_norm_rope_store(
                 *args, batch.out_cache_loc, pool.registered_mapping(), caches.swa,
-                caches.swa_page_size, q=q, numerics=numerics, options=kernel)
+                caches.swa_page_size, q=q, numerics=numerics, kernel=kernel)
         else:
             set_kv.fused_k_norm_rope_store(*args, meta.swa_write_loc, caches.swa,
                                            caches.swa_page_size, q=q, numerics=numerics,
-                                           options=kernel)
+                                           kernel=kernel)
         return q, qr
 
     def prepare(self, y, batch, meta, options, pool, caches, freqs_cis, ring_capture=None):

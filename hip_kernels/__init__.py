@@ -4,7 +4,7 @@ set-KV family (`set_kv`), mHC's split with its Sinkhorn normalisation (`mhc_spli
 (`moe_fused`), the sparse decode attention (`decode_attention`), the indexer's scores
 (`indexer_scores`) and the quantized linears of the FP8/FP4 checkpoints (`quant_linear`), each a
 dispatcher op of the `dsv4` library (`library`). Every op takes its choices as values:
-`options` (a `KernelOptions`: backend, host checks, aiter) and its numerics.
+`kernel` (a `KernelOptions`: backend, host checks, aiter) and its numerics.
 
 This package imports only torch (triton and compiled extensions are imported lazily inside the
 functions that need them), so ``import hip_kernels`` works on a machine without triton.
@@ -25,7 +25,6 @@ from .mhc_split import hc_split
 from .moe_fused import moe_route, moe_routed, moe_shared
 from .numerics import DEFAULT_NUMERICS, REFERENCE_NUMERICS, StoreNumerics
 from .options import DEFAULT_KERNEL_OPTIONS, KernelOptions
-from .platform import fp8_dialect
 from .quant_linear import fp4_grouped_linear, fp8_grouped_linear, fp8_linear
 from .quant_linear_ref import act_quant, ocp_to_fnuz
 from .rms_norm import rms_norm
@@ -35,7 +34,7 @@ from .set_kv import (fused_k_norm_rope_store, fused_store_cache, fused_translate
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __all__ = [
-    "envs", "platform", "fp8_dialect", "KernelOptions", "DEFAULT_KERNEL_OPTIONS",
+    "envs", "platform", "KernelOptions", "DEFAULT_KERNEL_OPTIONS",
     "StoreNumerics", "DEFAULT_NUMERICS", "REFERENCE_NUMERICS",
     "page_bytes", "indexer_page_bytes", "quantize_kv_rows", "dequantize_kv_rows", "read_kv_rows",
     "read_indexer_rows",

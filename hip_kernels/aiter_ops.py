@@ -3,7 +3,7 @@
 aiter is never required: every op here has a torch path, the code the model ran before, and that
 path runs whenever aiter is not used (the MoE gate's torch path is the gate's own math in
 ``dsv4.layers.moe``: ``moe_gate`` returns None for a call aiter does not take). The policy is
-``KernelOptions.aiter`` (``DSV4_AITER``), each op's ``options`` argument, with the numerics mode
+``KernelOptions.aiter`` (``DSV4_AITER``), each op's ``kernel`` argument, with the numerics mode
 (``numerics``, one of ``numerics.MODES``) the op's caller runs:
 
 - ``auto`` (the default): aiter runs an op only when aiter is importable, the op's tensors are on
@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from . import platform
-from .checks import check_options
+from .checks import check_kernel
 from .numerics import check_mode
 from .options import AITER_MODES, DEFAULT_KERNEL_OPTIONS, KernelOptions
 
@@ -172,25 +172,25 @@ def _topk_aiter(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def topk_rows(scores: torch.Tensor, k: int, *, numerics: str = "reference",
-              options: KernelOptions = DEFAULT_KERNEL_OPTIONS
+              kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest entries of each row of scores [N, T], like ``scores.topk(k, dim=-1)``:
     (values [N, k] in scores' dtype, descending; int64 indices [N, k]). On aiter (as
-    options.aiter and numerics allow), equal values may come in another order than torch's
+    kernel.aiter and numerics allow), equal values may come in another order than torch's
     (torch leaves that order unspecified too)."""
-    check_options(options)
+    check_kernel(kernel)
     if not isinstance(scores, torch.Tensor) or scores.dim() != 2:
         raise ValueError(f"scores: expected a 2-D tensor [N, T], got "
                          f"{getattr(scores, 'shape', type(scores).__name__)}")
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= scores.shape[1]:
         raise ValueError(f"k={k!r}: expected an int in [0, {scores.shape[1]}] (the row length)")
-    return topk_by(scores, k, topk_uses_aiter(scores, k, numerics=numerics, options=options))
+    return topk_by(scores, k, topk_uses_aiter(scores, k, numerics=numerics, kernel=kernel))
 
 
 def topk_uses_aiter(scores: torch.Tensor, k: int, *, numerics: str,
-                    options: KernelOptions) -> bool:
+                    kernel: KernelOptions) -> bool:
     """Whether ``topk_rows`` runs this call on aiter (the policy, then what topk_plain takes)."""
-    return (use_aiter("topk_rows", scores, aiter=options.aiter, numerics=numerics)
+    return (use_aiter("topk_rows", scores, aiter=kernel.aiter, numerics=numerics)
             and _topk_supported(scores, k))
 
 
@@ -211,14 +211,14 @@ def _moe_gate_aiter(logits, bias, k, route_scale, score_func):
 
 def moe_gate(logits: torch.Tensor, bias: torch.Tensor, k: int, route_scale: float,
              score_func: str, *, numerics: str = "reference",
-             options: KernelOptions = DEFAULT_KERNEL_OPTIONS
+             kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS
              ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The routing of a biased MoE gate on aiter: scores = score_func(logits [N, E] fp32), the k
     experts of largest scores + bias [E], their scores renormalised (not after softmax) times
     route_scale. (weights fp32 [N, k], expert indices int64 [N, k]), or None when the policy
-    keeps this call on torch (options.aiter and numerics decide): the caller then runs its own
+    keeps this call on torch (kernel.aiter and numerics decide): the caller then runs its own
     gate math (``dsv4.layers.moe``)."""
-    check_options(options)
+    check_kernel(kernel)
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.dtype != torch.float32:
         raise ValueError(f"logits: expected an fp32 tensor [N, E], got "
                          f"{getattr(logits, 'dtype', type(logits).__name__)} "
@@ -230,7 +230,7 @@ def moe_gate(logits: torch.Tensor, bias: torch.Tensor, k: int, route_scale: floa
         raise ValueError(f"k={k!r}: expected an int in [1, {logits.shape[1]}] (the experts)")
     if score_func not in SCORE_FUNCS:
         raise ValueError(f"score_func={score_func!r}: expected one of {SCORE_FUNCS}")
-    if logits.shape[0] and use_aiter("moe_gate", logits, bias, aiter=options.aiter,
+    if logits.shape[0] and use_aiter("moe_gate", logits, bias, aiter=kernel.aiter,
                                      numerics=numerics):
         return _moe_gate_aiter(logits, bias, k, route_scale, score_func)
     return None

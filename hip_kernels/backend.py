@@ -11,13 +11,12 @@ A call the Triton kernel does not cover (`triton_ok=False`) runs the torch refer
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import torch
 
 from . import set_kv_hip
 from .options import BACKENDS
-from .platform import BackendUnavailable, backend as platform_backend
+from .platform import BackendUnavailable, backend as platform_backend, triton_interpreted
 
 HIP_OPS = ("fused_k_norm_rope_store", "fused_store_cache", "fused_translate_norm_rope_store")
 __all__ = ["BackendUnavailable", "HIP_OPS", "hip_available", "resolve", "triton_usable"]
@@ -33,7 +32,7 @@ def hip_available() -> bool:
 def triton_usable(device: torch.device) -> bool:
     if device.type == "cuda":
         return importlib.util.find_spec("triton") is not None
-    return os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
+    return triton_interpreted() and importlib.util.find_spec("triton") is not None
 
 
 def resolve(op: str, device: torch.device, backend: str, *, hip_ok: bool = True,

@@ -91,19 +91,19 @@ def trusted_locations() -> Iterator[None]:
         _trust.depth = depth
 
 
-def value_checks_enabled(options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> bool:
+def value_checks_enabled(kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> bool:
     """Range checks read tensor values on the host: skipped inside graph capture, inside
-    `trusted_locations()`, and when options.value_checks is False (eager decode on a GPU then
+    `trusted_locations()`, and when kernel.value_checks is False (eager decode on a GPU then
     avoids one sync per op)."""
     return (not getattr(_trust, "depth", 0) and not is_capturing()
-            and options.value_checks)
+            and kernel.value_checks)
 
 
 def check_finite(name: str, t: torch.Tensor,
-                 options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> None:
-    """With options.refuse_nonfinite, refuse a NaN or inf in t [N, ...] (one host read;
+                 kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> None:
+    """With kernel.refuse_nonfinite, refuse a NaN or inf in t [N, ...] (one host read;
     skipped inside graph capture, where such input is stored poisoned)."""
-    if t.numel() == 0 or is_capturing() or not options.refuse_nonfinite:
+    if t.numel() == 0 or is_capturing() or not kernel.refuse_nonfinite:
         return
     bad_rows = ~torch.isfinite(t).reshape(t.shape[0], -1).all(dim=1)
     first = torch.where(bad_rows, torch.arange(t.shape[0], device=t.device), t.shape[0]).min()
@@ -113,19 +113,19 @@ def check_finite(name: str, t: torch.Tensor,
                          "non-finite K/V; with False it is stored as NaN bytes)")
 
 
-def check_options(options) -> KernelOptions:
-    if not isinstance(options, KernelOptions):
-        raise TypeError(f"options must be a hip_kernels.KernelOptions, got "
-                        f"{type(options).__name__}")
-    return options
+def check_kernel(kernel) -> KernelOptions:
+    if not isinstance(kernel, KernelOptions):
+        raise TypeError(f"kernel must be a hip_kernels.KernelOptions, got "
+                        f"{type(kernel).__name__}")
+    return kernel
 
 
 def check_locations(name: str, loc, n: int, capacity: int, device,
-                    options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> None:
+                    kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> None:
     """loc: [n] int32/int64 on device; values < capacity (negative = skip), no slot >= 1 twice.
     The value checks need one host sync: see value_checks_enabled()."""
     check_tensor(name, loc, dtypes=LOC_DTYPES, shape=(n,), device=device)
-    if n and value_checks_enabled(options):
+    if n and value_checks_enabled(kernel):
         check_slot_values(name, loc, capacity)
 
 

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 
 from .activation_sim import FP4_BLOCK, fp4_quant_dequant, hadamard_rotate
 from .backend import resolve
-from .checks import check_options, check_tensor
-from .library import define_op, ops
+from .checks import check_kernel, check_tensor
+from .library import define_op, op
 from .options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 from .rms_norm import rms_norm_ref
 from .rotary import rope_tail
@@ -85,43 +85,25 @@ def compressor_update_ref(new, state, src_state, src_new, has_prev, window_start
     return out
 
 
-def _project_impl(x, wkv, wgate, ape, positions, ratio, backend):
-    if backend == "triton":
-        from .compressor_update_triton import compressor_project_triton
-        return compressor_project_triton(x, wkv, wgate, ape, positions, ratio)
-    return compressor_project_ref(x, wkv, wgate, ape, positions, ratio)
-
-
-def _project_fake(x, wkv, wgate, ape, positions, ratio, backend):
+def _project_fake(x, wkv, wgate, ape, positions, ratio):
     return x.new_empty(x.shape[0], 2 * wkv.shape[0], dtype=torch.float32)
-
-
-def _update_impl(new, state, src_state, src_new, has_prev, window_start, state_write,
-                 freqs_table, norm_weight, eps, ratio, head_dim, rope_dim, overlap, rotate,
-                 reference, dtype, backend):
-    if backend == "triton":
-        from .compressor_update_triton import compressor_update_triton
-        return compressor_update_triton(new, state, src_state, src_new, has_prev, window_start,
-                                        state_write, freqs_table, norm_weight, eps, ratio,
-                                        head_dim, rope_dim, overlap, rotate, dtype)
-    return compressor_update_ref(new, state, src_state, src_new, has_prev, window_start,
-                                 state_write, freqs_table, norm_weight, eps, ratio, head_dim,
-                                 rope_dim, overlap, rotate, reference, dtype)
 
 
 def _update_fake(new, state, src_state, src_new, has_prev, window_start, state_write,
                  freqs_table, norm_weight, eps, ratio, head_dim, rope_dim, overlap, rotate,
-                 reference, dtype, backend):
+                 reference, dtype):
     return new.new_empty(src_state.shape[0], head_dim, dtype=dtype)
 
 
 define_op("compressor_project", "(Tensor x, Tensor wkv, Tensor wgate, Tensor ape, "
-          "Tensor positions, int ratio, str backend) -> Tensor", _project_impl, _project_fake)
+          "Tensor positions, int ratio) -> Tensor", compressor_project_ref, _project_fake,
+          triton="compressor_update_triton.compressor_project_triton")
 define_op("compressor_update", "(Tensor new, Tensor(a!) state, Tensor src_state, "
           "Tensor src_new, Tensor has_prev, Tensor window_start, Tensor state_write, "
           "Tensor freqs_table, Tensor norm_weight, float eps, int ratio, int head_dim, "
-          "int rope_dim, bool overlap, bool rotate, bool reference, ScalarType dtype, "
-          "str backend) -> Tensor", _update_impl, _update_fake)
+          "int rope_dim, bool overlap, bool rotate, bool reference, ScalarType dtype) -> Tensor",
+          compressor_update_ref, _update_fake,
+          triton="compressor_update_triton.compressor_update_triton")
 
 
 def _update_triton_ok(state: torch.Tensor, head_dim: int, rope_dim: int, rotate: bool) -> bool:
@@ -134,34 +116,34 @@ def _update_triton_ok(state: torch.Tensor, head_dim: int, rope_dim: int, rotate:
 
 def compressor_project(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor,
                        ape: torch.Tensor, positions: torch.Tensor, ratio: int, *,
-                       options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
+                       kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
     """fp32 [N, 2 * width] (kv | score) of x [N, dim] with the fp32 weights wkv, wgate
-    [width, dim] and ape [ratio, width]; positions [N] (integer). options.backend picks the
+    [width, dim] and ape [ratio, width]; positions [N] (integer). kernel.backend picks the
     backend (no HIP version)."""
-    check_options(options)
+    check_kernel(kernel)
     check_tensor("x", x, dim=2)
     check_tensor("wkv", wkv, dtype=torch.float32, shape=(None, x.shape[1]), device=x.device)
     check_tensor("wgate", wgate, dtype=torch.float32, shape=tuple(wkv.shape), device=x.device)
     check_tensor("ape", ape, dtype=torch.float32, shape=(ratio, wkv.shape[0]), device=x.device)
     check_tensor("positions", positions, dtypes=(torch.int32, torch.int64),
                  shape=(x.shape[0],), device=x.device)
-    backend = resolve("compressor_project", x.device, options.backend)
-    return ops.compressor_project(x.contiguous(), wkv.contiguous(), wgate.contiguous(),
-                                  ape.contiguous(), positions.contiguous(), ratio, backend)
+    backend = resolve("compressor_project", x.device, kernel.backend)
+    return op("compressor_project", backend)(x.contiguous(), wkv.contiguous(), wgate.contiguous(),
+                                             ape.contiguous(), positions.contiguous(), ratio)
 
 
 def compressor_update(new: torch.Tensor, state: torch.Tensor, plan, freqs_table: torch.Tensor,
                       norm_weight: torch.Tensor, eps: float, *, ratio: int, head_dim: int,
                       rope_dim: int, overlap: bool, rotate: bool, reference: bool,
-                      dtype: torch.dtype, options: KernelOptions = DEFAULT_KERNEL_OPTIONS
+                      dtype: torch.dtype, kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS
                       ) -> torch.Tensor:
     """The M compressed rows [M, head_dim] in dtype of the plan's candidate windows, and this
     step's rows new [N, 2 * width] written into the ring state [rows, 2 * width] (fp32, in
     place) at plan.state_write (-1: not kept). plan: the step's compressor plan for this ratio
     (src_state, src_new [M, R], has_prev, window_start [M], state_write [N]); freqs_table: the
-    layer's RoPE table [positions, rope_dim / 2]. options.backend picks the backend (no HIP
+    layer's RoPE table [positions, rope_dim / 2]. kernel.backend picks the backend (no HIP
     version); a head_dim / rope_dim the Triton kernel does not cover runs the torch reference."""
-    check_options(options)
+    check_kernel(kernel)
     check_tensor("new", new, dtype=torch.float32, dim=2)
     if new.shape[1] != 2 * (2 if overlap else 1) * head_dim:
         raise ValueError(f"new must have 2 * {2 if overlap else 1} * head_dim = "
@@ -177,11 +159,10 @@ def compressor_update(new: torch.Tensor, state: torch.Tensor, plan, freqs_table:
     check_tensor("freqs_table", freqs_table, dtype=torch.complex64, shape=(None, rope_dim // 2),
                  device=new.device)
     check_tensor("norm_weight", norm_weight, shape=(head_dim,), device=new.device)
-    backend = resolve("compressor_update", new.device, options.backend,
+    backend = resolve("compressor_update", new.device, kernel.backend,
                       triton_ok=_update_triton_ok(state, head_dim, rope_dim, rotate))
-    return ops.compressor_update(new.contiguous(), state, plan.src_state.contiguous(),
-                                 plan.src_new.contiguous(), plan.has_prev.contiguous(),
-                                 plan.window_start.contiguous(), plan.state_write.contiguous(),
-                                 freqs_table.contiguous(), norm_weight.contiguous(), float(eps),
-                                 ratio, head_dim, rope_dim, overlap, rotate, reference, dtype,
-                                 backend)
+    return op("compressor_update", backend)(
+        new.contiguous(), state, plan.src_state.contiguous(), plan.src_new.contiguous(),
+        plan.has_prev.contiguous(), plan.window_start.contiguous(),
+        plan.state_write.contiguous(), freqs_table.contiguous(), norm_weight.contiguous(),
+        float(eps), ratio, head_dim, rope_dim, overlap, rotate, reference, dtype)

@@ -162,7 +162,9 @@ def compressor_project_triton(x, wkv, wgate, ape, positions, ratio):
 
 def compressor_update_triton(new, state, src_state, src_new, has_prev, window_start, state_write,
                              freqs_table, norm_weight, eps, ratio, head_dim, rope_dim, overlap,
-                             rotate, dtype):
+                             rotate, reference, dtype):
+    """The op's triton backend. reference changes nothing here: the rotation is the reference's
+    butterflies in both numerics (as `indexer_query`'s kernel)."""
     m, n_src = src_state.shape
     out = torch.empty(m, head_dim, dtype=dtype, device=new.device)
     if m:

@@ -18,9 +18,9 @@ Two numerics (``reference``):
   the last block; one rounding of the output.
 
 `sparse_attention_rows` is the math on already dequantized rows (the torch reference, also
-used by the model's extend path). The op's torch backend dequantizes the rows
-(`kv_layout.read_kv_rows`) and runs it; its Triton backend (`decode_attention_triton`) reads
-the FP8 cache bytes in place. They agree to fp32 rounding (summation order), see the tests.
+used by the model's extend path). The op's torch backend (`sparse_decode_attention_ref`)
+dequantizes the rows (`kv_layout.read_kv_rows`) and runs it; its Triton backend
+(`decode_attention_triton`) reads the FP8 cache bytes in place. They agree to fp32 rounding (summation order), see the tests.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ import torch
 
 from . import kv_layout
 from .backend import resolve
-from .checks import check_cache, check_options, check_page_size, check_tensor
-from .library import define_op, ops
+from .checks import check_cache, check_kernel, check_page_size, check_tensor
+from .library import define_op, op
 from .options import DEFAULT_KERNEL_OPTIONS, KernelOptions
-from .platform import DIALECTS, fp8_dialect
+from .platform import DIALECTS
 
 OP = "sparse_decode_attention"
 ATTN_BLOCK = 64   # rows per block of the reference's sparse attention kernel
@@ -62,12 +62,6 @@ def sparse_attention_rows(q: torch.Tensor, kv: list[torch.Tensor], valid: list[t
         o = part if o is None else o + part
         start += rows.shape[1]
     return o.to(q.dtype)
-
-
-def reference_order(loc: torch.Tensor, ok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A segment's (loc, valid) with its valid rows first, each group in its own order."""
-    order = torch.argsort((~ok).to(torch.int8), dim=1, stable=True)
-    return loc.gather(1, order), ok.gather(1, order)
 
 
 def _narrow_window_last(window_width: torch.Tensor, n_window: int, n_rows: int) -> torch.Tensor:
@@ -118,18 +112,14 @@ def _blocks(q, kv, valid, sink, scale, window_width=None):
     return (acc / denom.unsqueeze(-1)).to(q.dtype)
 
 
-def _impl(q, swa_cache, window_loc, window_valid, swa_page_size, comp_cache, comp_loc,
-          comp_valid, comp_page_size, sink, scale, reference, backend, dialect):
-    d = DIALECTS[dialect]
-    if backend == "triton":
-        from .decode_attention_triton import sparse_decode_attention_triton
-        if reference:   # the kernel walks the rows in the order given
-            window_loc, window_valid = reference_order(window_loc, window_valid)
-        return sparse_decode_attention_triton(q, swa_cache, window_loc, window_valid,
-                                              swa_page_size, comp_cache, comp_loc, comp_valid,
-                                              comp_page_size, sink, scale, reference, d)
+def sparse_decode_attention_ref(q, swa_cache, window_loc, window_valid, swa_page_size,
+                                comp_cache, comp_loc, comp_valid, comp_page_size, sink, scale,
+                                reference, dialect):
+    """The op's torch backend: the rows dequantized (dialect: the fp8 dialect's name), then
+    `sparse_attention_rows`."""
     def rows(cache, loc, ok, page_size):   # an invalid row reads slot 0, whatever its loc
-        return kv_layout.read_kv_rows(cache, loc.masked_fill(~ok, 0), page_size, d)
+        return kv_layout.read_kv_rows(cache, loc.masked_fill(~ok, 0), page_size,
+                                      DIALECTS[dialect])
 
     kv = [rows(swa_cache, window_loc, window_valid, swa_page_size)]
     valid = [window_valid]
@@ -145,8 +135,9 @@ def _fake(q, *args):
 
 define_op(OP, "(Tensor q, Tensor swa_cache, Tensor window_loc, Tensor window_valid, "
           "int swa_page_size, Tensor? comp_cache, Tensor? comp_loc, Tensor? comp_valid, "
-          "int comp_page_size, Tensor sink, float scale, bool reference, str backend, "
-          "str dialect) -> Tensor", _impl, _fake)
+          "int comp_page_size, Tensor sink, float scale, bool reference, str dialect) -> Tensor",
+          sparse_decode_attention_ref, _fake,
+          triton="decode_attention_triton.sparse_decode_attention_triton")
 
 
 def _check_cache(prefix: str, cache, page_size, device) -> None:
@@ -159,14 +150,14 @@ def sparse_decode_attention(q: torch.Tensor, swa_cache: torch.Tensor, window_loc
                             comp_cache: torch.Tensor | None, comp_loc: torch.Tensor | None,
                             comp_valid: torch.Tensor | None, comp_page_size: int,
                             sink: torch.Tensor, scale: float, reference: bool, *,
-                            options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
+                            kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
     """o [N, H, 512] in q's dtype: q [N, H, 512] (bf16) attending its window rows (SWA cache
     slots window_loc [N, W], valid [N, W]) and compressed rows (comp_loc [N, K] of comp_cache,
     valid [N, K]; comp_cache None: no compressed segment), sink [H] fp32. Invalid rows are
     never read (their loc is 0 by convention); every query must have a valid row (its own
-    window slot does). reference: DeepSeek-V4's reference numerics (see above); options picks
-    the backend."""
-    check_options(options)
+    window slot does). reference: DeepSeek-V4's reference numerics (see above); kernel.backend
+    picks the backend."""
+    check_kernel(kernel)
     dev = q.device
     check_tensor("q", q, dtypes=(torch.bfloat16, torch.float32),
                  shape=(None, None, kv_layout.HEAD_DIM))
@@ -187,9 +178,9 @@ def sparse_decode_attention(q: torch.Tensor, swa_cache: torch.Tensor, window_loc
     check_tensor("sink", sink, dtype=torch.float32, shape=(h,), device=dev)
     if not isinstance(reference, bool):
         raise TypeError(f"reference must be a bool, got {reference!r}")
-    return ops.sparse_decode_attention(
+    return op(OP, resolve(OP, dev, kernel.backend))(
         q.contiguous(), swa_cache, window_loc.contiguous(), window_valid.contiguous(),
         swa_page_size, comp_cache, None if comp_loc is None else comp_loc.contiguous(),
         None if comp_valid is None else comp_valid.contiguous(),
         comp_page_size if comp_cache is not None else 1, sink.contiguous(), float(scale),
-        bool(reference), resolve(OP, dev, options.backend), fp8_dialect().name)
+        bool(reference), kernel.fp8_dialect.name)

@@ -23,13 +23,13 @@ load nothing (a poisoned row at an invalid slot cannot leak) and get probability
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from . import kv_layout as L
+from .platform import DIALECTS, triton_interpreted
 from .triton_kv_row import (HEAD_DIM, NOPE_DIM, TILE, UE8M0_BIAS, fp8_type, kv_scale_offset,
                             kv_value_offset)
 
@@ -181,20 +181,29 @@ def sparse_decode_attention_kernel(
     tl.store(o_row + 3 * CHUNK + cols, (acc3 / denom[:, None]).to(dt), mask=head_ok[:, None])
 
 
+def reference_order(loc: torch.Tensor, ok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A segment's (loc, valid) with its valid rows first, each group in its own order."""
+    order = torch.argsort((~ok).to(torch.int8), dim=1, stable=True)
+    return loc.gather(1, order), ok.gather(1, order)
+
+
 def sparse_decode_attention_triton(q, swa_cache, window_loc, window_valid, swa_page_size,
                                    comp_cache, comp_loc, comp_valid, comp_page_size, sink, scale,
                                    reference, dialect) -> torch.Tensor:
-    """o [N, H, 512] (checked arguments; see `decode_attention.sparse_decode_attention`; with
-    reference, the valid window rows come first, as `decode_attention.reference_order` puts
-    them)."""
+    """o [N, H, 512], the op's triton backend (checked arguments; see
+    `decode_attention.sparse_decode_attention`; dialect: the fp8 dialect's name). With
+    reference the kernel walks the rows in the order given: the valid window rows first
+    (`reference_order`)."""
     n, n_heads = q.shape[:2]
     out = torch.empty_like(q)
     if n == 0:
         return out
+    if reference:
+        window_loc, window_valid = reference_order(window_loc, window_valid)
     if comp_cache is None:   # an empty segment: any tensor stands for its pointers
         comp_cache, comp_loc, comp_valid = swa_cache, window_loc[:, :0], window_valid[:, :0]
         comp_page_size = swa_page_size
-    dot_bf16 = q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") != "1"
+    dot_bf16 = q.dtype == torch.bfloat16 and not triton_interpreted()
     grid = (n, triton.cdiv(n_heads, BLOCK_H))
     sparse_decode_attention_kernel[grid](
         q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), sink, float(scale),
@@ -204,6 +213,6 @@ def sparse_decode_attention_triton(q, swa_cache, window_loc, window_valid, swa_p
         max(comp_valid.stride(0), 1), comp_loc.shape[1], comp_cache.shape[0] * comp_page_size,
         SWA_PAGE=swa_page_size, SWA_PAGE_BYTES=L.page_bytes(swa_page_size),
         CMP_PAGE=comp_page_size, CMP_PAGE_BYTES=L.page_bytes(comp_page_size),
-        FP8=fp8_type(dialect), REFERENCE=bool(reference), BLOCK_H=BLOCK_H, BLOCK_R=BLOCK_R,
+        FP8=fp8_type(DIALECTS[dialect]), REFERENCE=bool(reference), BLOCK_H=BLOCK_H, BLOCK_R=BLOCK_R,
         DOT_BF16=dot_bf16, **LAUNCH_OPTIONS)
     return out

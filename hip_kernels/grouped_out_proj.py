@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 
 from .backend import resolve
-from .checks import check_options, check_tensor
-from .library import define_op, ops
+from .checks import check_kernel, check_tensor
+from .library import define_op, op
 from .options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 from .rotary import rope_tail
 
@@ -33,28 +33,21 @@ def grouped_out_proj_ref(o: torch.Tensor, freqs_cis: torch.Tensor, weight: torch
     return torch.einsum("ngd,grd->ngr", o, w).flatten(1)
 
 
-def _impl(o, freqs_cis, weight, n_groups, rope_dim, backend):
-    if backend == "triton":
-        from .grouped_out_proj_triton import grouped_out_proj_triton
-        return grouped_out_proj_triton(o, freqs_cis, weight, n_groups, rope_dim)
-    return grouped_out_proj_ref(o, freqs_cis, weight, n_groups, rope_dim)
-
-
-def _fake(o, freqs_cis, weight, n_groups, rope_dim, backend):
+def _fake(o, freqs_cis, weight, n_groups, rope_dim):
     return o.new_empty(o.shape[0], weight.shape[0])
 
 
-define_op(OP, "(Tensor o, Tensor freqs_cis, Tensor weight, int n_groups, int rope_dim, "
-          "str backend) -> Tensor", _impl, _fake)
+define_op(OP, "(Tensor o, Tensor freqs_cis, Tensor weight, int n_groups, int rope_dim) -> Tensor",
+          grouped_out_proj_ref, _fake, triton="grouped_out_proj_triton.grouped_out_proj_triton")
 
 
 def grouped_out_proj(o: torch.Tensor, freqs_cis: torch.Tensor, weight: torch.Tensor,
                      n_groups: int, rope_dim: int, *,
-                     options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
+                     kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
     """[N, n_groups * R] in o's dtype from the attention output o [N, H, D], each token's RoPE
     factors freqs_cis [N, rope_dim / 2] (complex64, applied conjugated) and wo_a's weight
     [n_groups * R, H * D / n_groups] (o's dtype)."""
-    check_options(options)
+    check_kernel(kernel)
     check_tensor("o", o, dtypes=(torch.bfloat16, torch.float16, torch.float32), dim=3)
     n, h, d = o.shape
     if isinstance(n_groups, bool) or not isinstance(n_groups, int) or n_groups < 1 \
@@ -70,6 +63,6 @@ def grouped_out_proj(o: torch.Tensor, freqs_cis: torch.Tensor, weight: torch.Ten
     if weight.shape[0] % n_groups:
         raise ValueError(f"weight's {weight.shape[0]} rows must split into {n_groups} groups")
     # the kernel rotates aligned pairs of a tile: an odd head dim runs the reference
-    backend = resolve(OP, o.device, options.backend, triton_ok=d % 2 == 0)
-    return ops.grouped_out_proj(o.contiguous(), freqs_cis.contiguous(), weight.contiguous(),
-                                n_groups, rope_dim, backend)
+    backend = resolve(OP, o.device, kernel.backend, triton_ok=d % 2 == 0)
+    return op(OP, backend)(o.contiguous(), freqs_cis.contiguous(), weight.contiguous(), n_groups,
+                           rope_dim)

@@ -10,12 +10,12 @@ the same rounded values go through an IEEE fp32 dot (the same exact products).
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from .platform import triton_interpreted
 from .rotary_triton import rope_tail
 
 # Decode has few tokens and streams the weight: 16 tokens (tl.dot's smallest M) by 16 outputs a
@@ -64,7 +64,7 @@ def grouped_out_proj_triton(o: torch.Tensor, freqs_cis: torch.Tensor, weight: to
     n, h, d = o.shape
     rows = weight.shape[0] // n_groups
     out = torch.empty(n, weight.shape[0], dtype=o.dtype, device=o.device)
-    dot_native = o.dtype != torch.float32 and os.environ.get("TRITON_INTERPRET") != "1"
+    dot_native = o.dtype != torch.float32 and not triton_interpreted()
     if n and rows:
         grid = (triton.cdiv(n, BLOCK_N), n_groups, triton.cdiv(rows, BLOCK_R))
         grouped_out_proj_kernel[grid](

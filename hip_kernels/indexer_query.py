@@ -19,8 +19,8 @@ import torch
 
 from .activation_sim import fp4_quant_dequant, hadamard_rotate
 from .backend import resolve
-from .checks import check_options, check_tensor
-from .library import define_op, ops
+from .checks import check_kernel, check_tensor
+from .library import define_op, op
 from .options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 from .rotary import rope_tail
 
@@ -33,29 +33,22 @@ def indexer_query_ref(q: torch.Tensor, freqs_cis: torch.Tensor, n_heads: int, ro
     return fp4_quant_dequant(hadamard_rotate(q, reference))
 
 
-def _impl(q, freqs_cis, n_heads, rope_dim, reference, backend):
-    if backend == "triton":
-        from .indexer_query_triton import indexer_query_triton
-        return indexer_query_triton(q, freqs_cis, n_heads, rope_dim)
-    return indexer_query_ref(q, freqs_cis, n_heads, rope_dim, reference)
-
-
-def _fake(q, freqs_cis, n_heads, rope_dim, reference, backend):
+def _fake(q, freqs_cis, n_heads, rope_dim, reference):
     return q.new_empty(q.shape[0], n_heads, q.shape[1] // n_heads)
 
 
-define_op(OP, "(Tensor q, Tensor freqs_cis, int n_heads, int rope_dim, bool reference, "
-          "str backend) -> Tensor", _impl, _fake)
+define_op(OP, "(Tensor q, Tensor freqs_cis, int n_heads, int rope_dim, bool reference) -> Tensor",
+          indexer_query_ref, _fake, triton="indexer_query_triton.indexer_query_triton")
 
 
 def indexer_query(q: torch.Tensor, freqs_cis: torch.Tensor, n_heads: int, rope_dim: int, *,
-                  reference: bool, options: KernelOptions = DEFAULT_KERNEL_OPTIONS
+                  reference: bool, kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS
                   ) -> torch.Tensor:
     """Index queries [N, n_heads, D] in q's dtype from the projection q [N, n_heads * D] (bf16)
     and each token's RoPE factors freqs_cis [N, rope_dim / 2] (complex64). D a power of two
     and a multiple of 32 (the FP4 block). reference: DeepSeek-V4's reference numerics (the
     rotation's butterflies) or fp32."""
-    check_options(options)
+    check_kernel(kernel)
     check_tensor("q", q, dtypes=(torch.bfloat16, torch.float16, torch.float32), dim=2)
     if isinstance(n_heads, bool) or not isinstance(n_heads, int) or n_heads < 1 \
             or q.shape[1] % n_heads:
@@ -71,6 +64,5 @@ def indexer_query(q: torch.Tensor, freqs_cis: torch.Tensor, n_heads: int, rope_d
                  shape=(q.shape[0], rope_dim // 2), device=q.device)
     if not isinstance(reference, bool):
         raise TypeError(f"reference must be a bool, got {reference!r}")
-    backend = resolve(OP, q.device, options.backend)
-    return ops.indexer_query(q.contiguous(), freqs_cis.contiguous(), n_heads, rope_dim,
-                             reference, backend)
+    backend = resolve(OP, q.device, kernel.backend)
+    return op(OP, backend)(q.contiguous(), freqs_cis.contiguous(), n_heads, rope_dim, reference)

@@ -45,7 +45,9 @@ def indexer_query_kernel(q_ptr, freq_ptr, out_ptr, n_heads, HEAD_DIM: tl.constex
 
 
 def indexer_query_triton(q: torch.Tensor, freqs_cis: torch.Tensor, n_heads: int,
-                         rope_dim: int) -> torch.Tensor:
+                         rope_dim: int, reference: bool) -> torch.Tensor:
+    """The op's triton backend. reference changes nothing here: the kernel rotates with the
+    reference's butterflies in both numerics (see `indexer_query`)."""
     n = q.shape[0]
     d = q.shape[1] // n_heads
     out = torch.empty(n, n_heads, d, dtype=q.dtype, device=q.device)

@@ -8,14 +8,14 @@ q.k products, relu, the weighting, the head sum), fp32 keeps every step fp32. Th
 cache's rows at loc (fp8 values times their fp32 scale, see `kv_layout.read_indexer_rows`).
 Rows that are not valid score -inf, so a top-k can take the scores as they are.
 
-The torch path dequantizes every row into an fp32 [N, C, 128] copy and runs the reference
-(`indexer_scores_ref`); the Triton kernel (`indexer_scores_triton`) reads the cache bytes in
-place. In fp32 they agree to fp32 rounding (different summation orders). In bf16 the kernel
-sums the 128 exact products of each q.k in fp32 in another order than torch's CPU bf16 matmul,
-so a q.k near a bf16 rounding boundary can round the other way; the score then differs by
-about one bf16 ulp of that head's term (the tests allow one ulp of the score plus two of the
-largest term, on at most 1% of entries). In practice such flips are rare: every entry tested
-was bit-equal.
+The torch path (`indexer_scores_cache_ref`) dequantizes every row into an fp32 [N, C, 128]
+copy and runs the reference (`indexer_scores_ref`); the Triton kernel (`indexer_scores_triton`)
+reads the cache bytes in place. In fp32 they agree to fp32 rounding (different summation
+orders). In bf16 the kernel sums the 128 exact products of each q.k in fp32 in another order
+than torch's CPU bf16 matmul, so a q.k near a bf16 rounding boundary can round the other way;
+the score then differs by about one bf16 ulp of that head's term (the tests allow one ulp of
+the score plus two of the largest term, on at most 1% of entries). In practice such flips are
+rare: every entry tested was bit-equal.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ import torch
 
 from . import kv_layout
 from .backend import resolve
-from .checks import (check_cache, check_options, check_page_size, check_tensor,
+from .checks import (check_cache, check_kernel, check_page_size, check_tensor,
                      value_checks_enabled)
-from .library import define_op, ops
+from .library import define_op, op
 from .options import DEFAULT_KERNEL_OPTIONS, KernelOptions
-from .platform import DIALECTS, fp8_dialect
+from .platform import DIALECTS
 
 OP = "indexer_scores"
 Q_DTYPES = (torch.float32, torch.bfloat16)
@@ -44,23 +44,23 @@ def indexer_scores_ref(q: torch.Tensor, weights: torch.Tensor,
     return (s * weights.unsqueeze(-1)).sum(1)
 
 
-def _impl(q, weights, cache, loc, valid, page_size, backend, dialect):
-    if backend == "triton":
-        from .indexer_scores_triton import indexer_scores_triton
-        return indexer_scores_triton(q, weights, cache, loc, valid, page_size, DIALECTS[dialect])
+def indexer_scores_cache_ref(q, weights, cache, loc, valid, page_size, dialect):
+    """The op's torch backend: the keys at loc dequantized (dialect: the fp8 dialect's name),
+    scored by `indexer_scores_ref`, -inf where not valid."""
     keys = kv_layout.read_indexer_rows(cache, loc, page_size, DIALECTS[dialect])
     return indexer_scores_ref(q, weights, keys).masked_fill(~valid, float("-inf"))
 
 
-def _fake(q, weights, cache, loc, valid, page_size, backend, dialect):
+def _fake(q, weights, cache, loc, valid, page_size, dialect):
     return weights.new_empty(loc.shape)
 
 
 define_op(OP, "(Tensor q, Tensor weights, Tensor cache, Tensor loc, Tensor valid, "
-          "int page_size, str backend, str dialect) -> Tensor", _impl, _fake)
+          "int page_size, str dialect) -> Tensor", indexer_scores_cache_ref, _fake,
+          triton="indexer_scores_triton.indexer_scores_triton")
 
 
-def _check_args(q, weights, cache, loc, valid, page_size, options) -> None:
+def _check_args(q, weights, cache, loc, valid, page_size, kernel) -> None:
     check_tensor("q", q, dtypes=Q_DTYPES, shape=(None, None, kv_layout.INDEX_DIM))
     n, heads = q.shape[:2]
     dev = q.device
@@ -69,7 +69,7 @@ def _check_args(q, weights, cache, loc, valid, page_size, options) -> None:
     check_cache("cache", cache, kv_layout.indexer_page_bytes(page_size), page_size, dev)
     check_tensor("loc", loc, dtypes=(torch.int64, torch.int32), shape=(n, None), device=dev)
     check_tensor("valid", valid, dtype=torch.bool, shape=tuple(loc.shape), device=dev)
-    if loc.numel() and value_checks_enabled(options):
+    if loc.numel() and value_checks_enabled(kernel):
         capacity = cache.shape[0] * page_size
         lo, hi = torch.stack(torch.where(valid, loc, 0).aminmax()).tolist()
         if lo < 0 or hi >= capacity:
@@ -79,7 +79,7 @@ def _check_args(q, weights, cache, loc, valid, page_size, options) -> None:
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor,
                    valid: torch.Tensor, page_size: int, *,
-                   options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
+                   kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
     """Scores [N, C] in weights' dtype of queries q [N, Hi, 128] (fp32 or bf16) with per-head
     weights [N, Hi] (bf16: reference numerics; fp32: fp32 numerics) against the indexer keys at
     loc [N, C] (int64 or int32) of cache (uint8 [pages, indexer_page_bytes(page_size)]).
@@ -87,11 +87,11 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, 
     convention).
 
     The valid locations are range-checked on the host (one read) unless value checks are off
-    (inside graph capture, `trusted_locations()`, options.value_checks False); the Triton
+    (inside graph capture, `trusted_locations()`, kernel.value_checks False); the Triton
     kernel then scores a valid location outside the cache NaN, never reading past it. The
-    backend: options.backend (no HIP version: hip runs Triton where it can)."""
-    check_options(options)
-    _check_args(q, weights, cache, loc, valid, page_size, options)
-    return ops.indexer_scores(q.contiguous(), weights.contiguous(), cache, loc.contiguous(),
-                              valid.contiguous(), page_size, resolve(OP, q.device, options.backend),
-                              fp8_dialect().name)
+    backend: kernel.backend (no HIP version: hip runs Triton where it can)."""
+    check_kernel(kernel)
+    _check_args(q, weights, cache, loc, valid, page_size, kernel)
+    return op(OP, resolve(OP, q.device, kernel.backend))(
+        q.contiguous(), weights.contiguous(), cache, loc.contiguous(), valid.contiguous(),
+        page_size, kernel.fp8_dialect.name)

@@ -19,12 +19,12 @@ outside the cache reads nothing and scores NaN, like a poisoned key.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from .platform import DIALECTS, triton_interpreted
 from .triton_kv_row import INDEX_DIM, fp8_constexprs, indexer_offsets
 
 BLOCK_C = 64
@@ -97,15 +97,16 @@ def indexer_scores_kernel(q_ptr, q_stride_n, q_stride_h, w_ptr, w_stride_n, cach
 
 def indexer_scores_triton(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor,
                           loc: torch.Tensor, valid: torch.Tensor, page_size: int,
-                          dialect) -> torch.Tensor:
-    """Scores [N, C] in weights' dtype (checked arguments; see `indexer_scores`)."""
+                          dialect: str) -> torch.Tensor:
+    """Scores [N, C] in weights' dtype, the op's triton backend (checked arguments; see
+    `indexer_scores`; dialect: the fp8 dialect's name)."""
     n, n_heads = weights.shape
     c = loc.shape[1]
     out = torch.empty(n, c, dtype=weights.dtype, device=weights.device)
     if n and c:
-        fp8 = fp8_constexprs(dialect)["FP8"]
+        fp8 = fp8_constexprs(DIALECTS[dialect])["FP8"]
         bf16 = weights.dtype == torch.bfloat16
-        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+        interpreted = triton_interpreted()
         indexer_scores_kernel[(n, triton.cdiv(c, BLOCK_C))](
             q, q.stride(0), q.stride(1), weights, weights.stride(0), cache, loc, loc.stride(0),
             valid, valid.stride(0), out, n_heads, c, cache.shape[0] * page_size,

@@ -6,8 +6,8 @@ the top k of each query's scores among its visible rows, -1 where fewer rows are
     pick = idx, -1 where vals == -inf
 
 The torch reference (``indexer_topk_ref``) is the CPU path and the oracle. On aiter (`use_aiter`:
-the caller's options and numerics allow it, resolved on the host) the op runs aiter's top-k. Else
-on a GPU it runs the Triton kernel (``indexer_topk_triton``, one program per query row, chosen by
+the caller's KernelOptions and numerics allow it, resolved on the host) the op runs aiter's
+top-k. Else on a GPU it runs the Triton kernel (``indexer_topk_triton``, one program per query row, chosen by
 ``backend.resolve`` from the caller's ``KernelOptions``): it returns exactly ``topk_by_key``'s
 choice over the masked row (with or without ``width``: ties go to the lower column), -1 where the
 value is -inf, in one kernel (the GPU torch path's choice; without ``width`` the torch path runs
@@ -30,8 +30,8 @@ import torch
 
 from . import aiter_ops
 from .backend import resolve
-from .checks import check_options, check_tensor
-from .library import define_op, ops
+from .checks import check_kernel, check_tensor
+from .library import define_op, op
 from .options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 
 OP = "indexer_topk"
@@ -79,32 +79,25 @@ def topk_at_width(scores: torch.Tensor, k: int,
     return vals, idx
 
 
-def _impl(scores, visible, k, use_aiter, width, backend):
-    if backend == "triton":
-        from .indexer_topk_triton import indexer_topk_triton
-        return indexer_topk_triton(scores, visible, k, width)
-    return indexer_topk_ref(scores, visible, k, use_aiter, width)
-
-
-def _fake(scores, visible, k, use_aiter, width, backend):
+def _fake(scores, visible, k, use_aiter, width):
     return scores.new_empty(scores.shape[0], k, dtype=torch.int64)
 
 
-define_op(OP, "(Tensor scores, Tensor visible, int k, bool use_aiter, Tensor? width, "
-          "str backend) -> Tensor", _impl, _fake)
+define_op(OP, "(Tensor scores, Tensor visible, int k, bool use_aiter, Tensor? width) -> Tensor",
+          indexer_topk_ref, _fake, triton="indexer_topk_triton.indexer_topk_triton")
 
 
 def indexer_topk(scores: torch.Tensor, visible: torch.Tensor, k: int, *,
                  use_aiter: bool, width: torch.Tensor | None = None,
-                 options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
+                 kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
     """int64 [N, k] column indices of the k largest visible scores of each row of scores
     [N, T] (visible: bool [N, T]), in descending order, -1 past a row's visible count.
     use_aiter: ``aiter_ops.topk_uses_aiter`` for this call (decided by the caller). width
     (int64 [N], optional): each row's candidate count; columns past it are never picked and
-    do not change the choice (see the module docstring). options.backend picks the backend
+    do not change the choice (see the module docstring). kernel.backend picks the backend
     where aiter is not used (no HIP version; scores other than fp32/bf16/fp16 run the torch
     reference)."""
-    check_options(options)
+    check_kernel(kernel)
     check_tensor("scores", scores, dim=2)
     check_tensor("visible", visible, dtype=torch.bool, shape=tuple(scores.shape),
                  device=scores.device)
@@ -113,42 +106,35 @@ def indexer_topk(scores: torch.Tensor, visible: torch.Tensor, k: int, *,
     if width is not None:
         check_tensor("width", width, dtype=torch.int64, shape=(scores.shape[0],),
                      device=scores.device)
-    backend = resolve(OP, scores.device, options.backend,
+    backend = resolve(OP, scores.device, kernel.backend,
                       triton_ok=not use_aiter and scores.dtype in TRITON_DTYPES)
     if backend == "triton":
         scores, visible = scores.contiguous(), visible.contiguous()
         width = None if width is None else width.contiguous()
-    return ops.indexer_topk(scores, visible, k, bool(use_aiter), width, backend)
+    return op(OP, backend)(scores, visible, k, bool(use_aiter), width)
 
 
 def picked_rows_ref(loc: torch.Tensor, pick: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return loc.gather(1, pick.clamp(min=0)), pick >= 0
 
 
-def _picked_impl(loc, pick, backend):
-    if backend == "triton":
-        from .indexer_topk_triton import picked_rows_triton
-        return picked_rows_triton(loc, pick)
-    return picked_rows_ref(loc, pick)
-
-
-def _picked_fake(loc, pick, backend):
+def _picked_fake(loc, pick):
     return loc.new_empty(pick.shape), pick.new_empty(pick.shape, dtype=torch.bool)
 
 
-define_op("picked_rows", "(Tensor loc, Tensor pick, str backend) -> (Tensor, Tensor)",
-          _picked_impl, _picked_fake)
+define_op("picked_rows", "(Tensor loc, Tensor pick) -> (Tensor, Tensor)", picked_rows_ref,
+          _picked_fake, triton="indexer_topk_triton.picked_rows_triton")
 
 
 def picked_rows(loc: torch.Tensor, pick: torch.Tensor, *,
-                options: KernelOptions = DEFAULT_KERNEL_OPTIONS
+                kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(the picked rows' locations [N, k], valid [N, k]) from each query's candidate locations
     loc [N, T] and ``indexer_topk``'s pick [N, k] (-1: none, the row's first location, not
-    valid; entries of pick below T): one op. options.backend picks the backend (no HIP
+    valid; entries of pick below T): one op. kernel.backend picks the backend (no HIP
     version)."""
-    check_options(options)
+    check_kernel(kernel)
     check_tensor("loc", loc, dim=2)
     check_tensor("pick", pick, dtype=torch.int64, shape=(loc.shape[0], None), device=loc.device)
-    backend = resolve("picked_rows", loc.device, options.backend)
-    return ops.picked_rows(loc, pick.contiguous() if backend == "triton" else pick, backend)
+    backend = resolve("picked_rows", loc.device, kernel.backend)
+    return op("picked_rows", backend)(loc, pick.contiguous() if backend == "triton" else pick)

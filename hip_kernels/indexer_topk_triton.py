@@ -75,9 +75,10 @@ def indexer_topk_kernel(scores_ptr, visible_ptr, width_ptr, out_ptr, T, k,
     tl.store(out_ptr + row * k + slot, pick, mask=slot < k)
 
 
-def indexer_topk_triton(scores: torch.Tensor, visible: torch.Tensor, k: int,
+def indexer_topk_triton(scores: torch.Tensor, visible: torch.Tensor, k: int, use_aiter: bool,
                         width: torch.Tensor | None) -> torch.Tensor:
-    """Contiguous scores [N, T] (fp32/bf16/fp16), visible bool [N, T], width int64 [N] or None."""
+    """Contiguous scores [N, T] (fp32/bf16/fp16), visible bool [N, T], width int64 [N] or None.
+    use_aiter is False here (a call on aiter runs the op's torch backend)."""
     n, t = scores.shape
     out = torch.empty(n, k, dtype=torch.int64, device=scores.device)
     if n and k:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from .numerics import AMAX_FLOOR, DEFAULT_NUMERICS, StoreNumerics
-from .platform import Fp8Dialect, fp8_dialect
+from .platform import Fp8Dialect
 
 HEAD_DIM = 512
 NOPE_DIM = 448
@@ -100,7 +100,7 @@ def pow2_ceil_exponent(r: torch.Tensor) -> torch.Tensor:
     return exp + ((bits & 0x7FFFFF) != 0).to(torch.int32)
 
 
-def quantize_kv_rows(x: torch.Tensor, dialect: Fp8Dialect | None = None,
+def quantize_kv_rows(x: torch.Tensor, dialect: Fp8Dialect,
                      numerics: StoreNumerics = DEFAULT_NUMERICS):
     """Quantize KV rows [N, 512] the way the cache stores them.
 
@@ -113,8 +113,7 @@ def quantize_kv_rows(x: torch.Tensor, dialect: Fp8Dialect | None = None,
     """
     if x.dim() != 2 or x.shape[1] != HEAD_DIM:
         raise ValueError(f"x must be [N, {HEAD_DIM}], got {tuple(x.shape)}")
-    d = dialect or fp8_dialect()
-    fp8_max = numerics.fp8_max_for(d)
+    fp8_max = numerics.fp8_max_for(dialect)
     xq = x.to(torch.bfloat16) if numerics.round_to_bf16 else x
     tiles = xq[:, :NOPE_DIM].float().view(-1, N_TILES, TILE)
     poisoned = ~torch.isfinite(tiles).all(dim=-1)
@@ -122,11 +121,11 @@ def quantize_kv_rows(x: torch.Tensor, dialect: Fp8Dialect | None = None,
     amax = torch.where(poisoned, torch.ones_like(amax), amax)
     exp = pow2_ceil_exponent(exact_div(amax, fp8_max))
     inv_scale = torch.ldexp(torch.ones_like(amax), -exp)
-    q = (tiles * inv_scale.unsqueeze(-1)).clamp(-fp8_max, fp8_max).to(d.torch_dtype)
-    q = torch.where(poisoned.unsqueeze(-1), d.nan_byte, q.view(torch.uint8))
+    q = (tiles * inv_scale.unsqueeze(-1)).clamp(-fp8_max, fp8_max).to(dialect.torch_dtype)
+    q = torch.where(poisoned.unsqueeze(-1), dialect.nan_byte, q.view(torch.uint8))
     scales = torch.where(poisoned, POISON_SCALE, exp + UE8M0_BIAS).to(torch.uint8)
     rope = canonical_nan_bf16(x[:, NOPE_DIM:].to(torch.bfloat16))
-    return q.view(-1, NOPE_DIM).view(d.torch_dtype), rope, scales
+    return q.view(-1, NOPE_DIM).view(dialect.torch_dtype), rope, scales
 
 
 def canonical_nan_bf16(x: torch.Tensor) -> torch.Tensor:
@@ -191,12 +190,11 @@ def read_kv_bytes(cache: torch.Tensor, loc: torch.Tensor, page_size: int):
 
 
 def read_kv_rows(cache: torch.Tensor, loc: torch.Tensor, page_size: int,
-                 dialect: Fp8Dialect | None = None) -> torch.Tensor:
+                 dialect: Fp8Dialect) -> torch.Tensor:
     """Dequantized rows float32 [*loc.shape, 512] of a V4-layout cache ([pages, page bytes]) at
     loc (every loc >= 0). The one KV dequantizer: attention reads and tests use it. Whole rows
     are gathered through [page, offset] views of the page bytes (one index entry per row), and
     each tile is scaled by its power of two (exact)."""
-    d = dialect or fp8_dialect()
     values = cache[:, :page_size * VALUE_BYTES].view(-1, page_size, VALUE_BYTES)
     scales = cache[:, page_size * VALUE_BYTES:page_size * TOKEN_BYTES].view(
         -1, page_size, SCALE_BYTES)
@@ -204,12 +202,12 @@ def read_kv_rows(cache: torch.Tensor, loc: torch.Tensor, page_size: int,
     page, off = loc // page_size, loc % page_size
     v = values[page, off]
     exp = scales[page, off][..., :N_TILES].to(torch.int32) - UE8M0_BIAS
-    nope = v[..., :NOPE_DIM].view(d.torch_dtype).float().unflatten(-1, (N_TILES, TILE))
+    nope = v[..., :NOPE_DIM].view(dialect.torch_dtype).float().unflatten(-1, (N_TILES, TILE))
     nope = torch.ldexp(nope, exp.unsqueeze(-1).float()).flatten(-2)
     return torch.cat([nope, v[..., NOPE_DIM:].view(torch.bfloat16).float()], -1)
 
 
-def quantize_indexer_rows(k: torch.Tensor, dialect: Fp8Dialect | None = None,
+def quantize_indexer_rows(k: torch.Tensor, dialect: Fp8Dialect,
                           pow2_scale: bool = False):
     """Indexer keys [N, 128] -> (fp8 [N, 128], fp32 scale [N]); scale = max(amax, 1e-4) / FP8_MAX,
     or with pow2_scale 2^ceil(log2(max(amax, 2^-126) / FP8_MAX)): a power of two, so keys that
@@ -217,17 +215,17 @@ def quantize_indexer_rows(k: torch.Tensor, dialect: Fp8Dialect | None = None,
     A key holding a NaN or inf is stored poisoned: NaN value bytes, NaN scale."""
     if k.dim() != 2 or k.shape[1] != INDEX_DIM:
         raise ValueError(f"k must be [N, {INDEX_DIM}], got {tuple(k.shape)}")
-    d = dialect or fp8_dialect()
     kf = k.float()
     poisoned = ~torch.isfinite(kf).all(dim=-1)
     if pow2_scale:
-        ratio = exact_div(kf.abs().amax(dim=-1).clamp_min(INDEX_POW2_AMAX_FLOOR), d.max)
+        ratio = exact_div(kf.abs().amax(dim=-1).clamp_min(INDEX_POW2_AMAX_FLOOR), dialect.max)
         scale = torch.ldexp(torch.ones_like(ratio), pow2_ceil_exponent(ratio))
     else:
-        scale = exact_div(kf.abs().amax(dim=-1).clamp_min(AMAX_FLOOR), d.max)
+        scale = exact_div(kf.abs().amax(dim=-1).clamp_min(AMAX_FLOOR), dialect.max)
     scale = torch.where(poisoned, torch.ones_like(scale), scale)
-    q = (kf / scale.unsqueeze(-1)).clamp(-d.max, d.max).to(d.torch_dtype).view(torch.uint8)
-    q = torch.where(poisoned.unsqueeze(-1), d.nan_byte, q).view(d.torch_dtype)
+    q = kf / scale.unsqueeze(-1)
+    q = q.clamp(-dialect.max, dialect.max).to(dialect.torch_dtype).view(torch.uint8)
+    q = torch.where(poisoned.unsqueeze(-1), dialect.nan_byte, q).view(dialect.torch_dtype)
     # a fill, not a copy from the host: graph capture on a GPU forbids pageable copies
     nan = torch.full_like(scale, FP32_NAN, dtype=torch.int32).view(torch.float32)
     return q, torch.where(poisoned, nan, scale)
@@ -249,13 +247,12 @@ def write_indexer_bytes(cache: torch.Tensor, loc: torch.Tensor, page_size: int,
 
 
 def read_indexer_rows(cache: torch.Tensor, loc: torch.Tensor, page_size: int,
-                      dialect: Fp8Dialect | None = None) -> torch.Tensor:
+                      dialect: Fp8Dialect) -> torch.Tensor:
     """Dequantized indexer keys float32 [*loc.shape, 128] of an indexer cache ([pages, page
     bytes]: page = [P x 128 fp8][P x 4 fp32 scale]) at loc (every loc >= 0)."""
-    d = dialect or fp8_dialect()
     values = cache[:, :page_size * INDEX_DIM].view(-1, page_size, INDEX_DIM)
     scales = cache[:, page_size * INDEX_DIM:page_size * (INDEX_DIM + 4)].view(-1, page_size, 4)
     loc = loc.long()
     page, off = loc // page_size, loc % page_size
-    q = values[page, off].view(d.torch_dtype).float()
+    q = values[page, off].view(dialect.torch_dtype).float()
     return q * scales[page, off].view(torch.float32)

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from .backend import resolve
-from .checks import check_options, check_tensor
-from .library import define_op, ops
+from .checks import check_kernel, check_tensor
+from .library import define_op, op
 from .mhc_split import hc_split_ref
 from .options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 
@@ -58,37 +58,22 @@ def hc_post_ref(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
     return (post.unsqueeze(-1) * out.float().unsqueeze(-2) + mixed).to(out.dtype)
 
 
-def _pre_impl(x, fn, scale, base, norm_weight, mix_eps, iters, hc_eps, norm_eps, reference,
-              backend):
-    if backend == "triton":
-        from .mhc_fused_triton import hc_pre_triton
-        return hc_pre_triton(x, fn, scale, base, norm_weight, mix_eps, iters, hc_eps, norm_eps)
-    return hc_pre_ref(x, fn, scale, base, norm_weight, mix_eps, iters, hc_eps, norm_eps,
-                      reference)
-
-
 def _pre_fake(x, fn, scale, base, norm_weight, *rest):
     n, hc, d = x.shape
     f32 = torch.float32
     return x.new_empty(n, d), x.new_empty(n, hc, dtype=f32), x.new_empty(n, hc, hc, dtype=f32)
 
 
-def _post_impl(out, residual, post, comb, backend):
-    if backend == "triton":
-        from .mhc_fused_triton import hc_post_triton
-        return hc_post_triton(out, residual, post, comb)
-    return hc_post_ref(out, residual, post, comb)
-
-
-def _post_fake(out, residual, post, comb, backend):
+def _post_fake(out, residual, post, comb):
     return residual.new_empty(residual.shape, dtype=out.dtype)
 
 
 define_op("hc_pre", "(Tensor x, Tensor fn, Tensor scale, Tensor base, Tensor? norm_weight, "
-          "float mix_eps, int iters, float hc_eps, float norm_eps, bool reference, str backend) "
-          "-> (Tensor, Tensor, Tensor)", _pre_impl, _pre_fake)
-define_op("hc_post", "(Tensor out, Tensor residual, Tensor post, Tensor comb, str backend) "
-          "-> Tensor", _post_impl, _post_fake)
+          "float mix_eps, int iters, float hc_eps, float norm_eps, bool reference) "
+          "-> (Tensor, Tensor, Tensor)", hc_pre_ref, _pre_fake,
+          triton="mhc_fused_triton.hc_pre_triton")
+define_op("hc_post", "(Tensor out, Tensor residual, Tensor post, Tensor comb) -> Tensor",
+          hc_post_ref, _post_fake, triton="mhc_fused_triton.hc_post_triton")
 
 
 def _is_pow2(n: int) -> bool:
@@ -98,15 +83,15 @@ def _is_pow2(n: int) -> bool:
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
            norm_weight: torch.Tensor | None, *, mix_eps: float, iters: int, hc_eps: float,
            norm_eps: float, reference: bool = True,
-           options: KernelOptions = DEFAULT_KERNEL_OPTIONS
+           kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mHC pre and the RMSNorm after it: (normed block input [N, D] in x's dtype, post fp32
     [N, hc], comb fp32 [N, hc, hc]) from x [N, hc, D]; fn [(2 + hc) hc, hc D], scale [3],
     base [(2 + hc) hc], norm_weight [D] (None: no norm, y itself) with its eps norm_eps (no
     default: a norm's eps is the model's; unused without norm_weight). reference: DeepSeek-V4's
-    reference numerics (the Sinkhorn's softmax, see `mhc_split`). options.backend picks the
+    reference numerics (the Sinkhorn's softmax, see `mhc_split`). kernel.backend picks the
     backend (no HIP version); an hc that is not a power of two runs the torch reference."""
-    check_options(options)
+    check_kernel(kernel)
     if not isinstance(reference, bool):
         raise TypeError(f"reference must be a bool, got {reference!r}")
     check_tensor("x", x, dtypes=HIDDEN_DTYPES, dim=3)
@@ -119,22 +104,22 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
         check_tensor("norm_weight", norm_weight, shape=(d,), device=x.device)
     if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
         raise ValueError(f"iters must be an int >= 1, got {iters!r}")
-    backend = resolve("hc_pre", x.device, options.backend, triton_ok=_is_pow2(hc))
-    return ops.hc_pre(x.contiguous(), fn.contiguous(), scale, base, norm_weight, float(mix_eps),
-                      iters, float(hc_eps), float(norm_eps), reference, backend)
+    backend = resolve("hc_pre", x.device, kernel.backend, triton_ok=_is_pow2(hc))
+    return op("hc_pre", backend)(x.contiguous(), fn.contiguous(), scale, base, norm_weight,
+                                 float(mix_eps), iters, float(hc_eps), float(norm_eps), reference)
 
 
 def hc_post(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-            *, options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
+            *, kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
     """mHC post: [N, hc, D] in out's dtype, X'_j = post_j * out + sum_i comb[i, j] * X_i, from
     the block output out [N, D], the residual copies [N, hc, D] and hc_pre's post fp32 [N, hc]
     and comb fp32 [N, hc, hc]."""
-    check_options(options)
+    check_kernel(kernel)
     check_tensor("residual", residual, dtypes=HIDDEN_DTYPES, dim=3)
     n, hc, d = residual.shape
     check_tensor("out", out, dtypes=HIDDEN_DTYPES, shape=(n, d), device=residual.device)
     check_tensor("post", post, dtype=torch.float32, shape=(n, hc), device=residual.device)
     check_tensor("comb", comb, dtype=torch.float32, shape=(n, hc, hc), device=residual.device)
-    backend = resolve("hc_post", residual.device, options.backend, triton_ok=_is_pow2(hc))
-    return ops.hc_post(out.contiguous(), residual.contiguous(), post.contiguous(),
-                       comb.contiguous(), backend)
+    backend = resolve("hc_post", residual.device, kernel.backend, triton_ok=_is_pow2(hc))
+    return op("hc_post", backend)(out.contiguous(), residual.contiguous(), post.contiguous(),
+                                  comb.contiguous())

@@ -114,7 +114,9 @@ def hc_post_kernel(out_ptr, res_ptr, post_ptr, comb_ptr, y_ptr, D, HC: tl.conste
              y.to(y_ptr.dtype.element_ty), mask=d_ok[None, :])
 
 
-def hc_pre_triton(x, fn, scale, base, norm_weight, mix_eps, iters, hc_eps, norm_eps):
+def hc_pre_triton(x, fn, scale, base, norm_weight, mix_eps, iters, hc_eps, norm_eps, reference):
+    """The op's triton backend. reference changes nothing here: the split's softmax is the true
+    division in both numerics, as `hc_split`'s kernel."""
     n, hc, d = x.shape
     out = torch.empty(n, d, dtype=x.dtype, device=x.device)
     post = torch.empty(n, hc, dtype=torch.float32, device=x.device)

@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 
 from .backend import resolve
-from .checks import check_options
-from .library import define_op, ops
+from .checks import check_kernel
+from .library import define_op, op
 from .options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 
 OP = "hc_split"
@@ -54,31 +54,25 @@ def hc_split_ref(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, h
     return pre, post, sinkhorn_ref(comb, iters, eps, reference)
 
 
-def _impl(mixes, scale, base, hc, iters, eps, reference, backend):
-    if backend == "triton":   # its softmax is the true division in both numerics
-        from .mhc_split_triton import hc_split_triton
-        return hc_split_triton(mixes, scale, base, hc, iters, eps)
-    return hc_split_ref(mixes, scale, base, hc, iters, eps, reference)
-
-
-def _fake(mixes, scale, base, hc, iters, eps, reference, backend):
+def _fake(mixes, scale, base, hc, iters, eps, reference):
     n = mixes.shape[0]
     return (mixes.new_empty(n, hc), mixes.new_empty(n, hc), mixes.new_empty(n, hc, hc))
 
 
 define_op(OP, "(Tensor mixes, Tensor scale, Tensor base, int hc, int iters, float eps, "
-          "bool reference, str backend) -> (Tensor, Tensor, Tensor)", _impl, _fake)
+          "bool reference) -> (Tensor, Tensor, Tensor)", hc_split_ref, _fake,
+          triton="mhc_split_triton.hc_split_triton")
 
 
 def hc_split(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,
              eps: float, *, reference: bool = True,
-             options: KernelOptions = DEFAULT_KERNEL_OPTIONS
+             kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(pre [N, hc], post [N, hc], comb [N, hc, hc]) fp32 from fp32 mixes [N, (2 + hc) * hc].
-    reference: DeepSeek-V4's reference numerics (see `sinkhorn_ref`). options.backend picks the
+    reference: DeepSeek-V4's reference numerics (see `sinkhorn_ref`). kernel.backend picks the
     backend (no HIP version: hip runs Triton where it can); an hc that is not a power of two
     (Triton block shapes must be) runs the torch reference."""
-    check_options(options)
+    check_kernel(kernel)
     if not isinstance(reference, bool):
         raise TypeError(f"reference must be a bool, got {reference!r}")
     width = (2 + hc) * hc
@@ -90,6 +84,6 @@ def hc_split(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: i
                          f"{tuple(base.shape)}")
     if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
         raise ValueError(f"iters must be an int >= 1, got {iters!r}")
-    backend = resolve(OP, mixes.device, options.backend, triton_ok=not hc & (hc - 1))
-    return ops.hc_split(mixes.contiguous(), scale.float(), base.float(), hc, iters, float(eps),
-                        reference, backend)
+    backend = resolve(OP, mixes.device, kernel.backend, triton_ok=not hc & (hc - 1))
+    return op(OP, backend)(mixes.contiguous(), scale.float(), base.float(), hc, iters, float(eps),
+                           reference)

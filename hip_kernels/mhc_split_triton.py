@@ -47,7 +47,9 @@ def hc_split_kernel(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, n
 
 
 def hc_split_triton(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int,
-                    iters: int, eps: float):
+                    iters: int, eps: float, reference: bool):
+    """The op's triton backend. reference changes nothing here: the kernel's softmax is the true
+    division in both numerics (see `mhc_split.sinkhorn_ref`)."""
     n = mixes.shape[0]
     pre = torch.empty(n, hc, dtype=torch.float32, device=mixes.device)
     post = torch.empty_like(pre)

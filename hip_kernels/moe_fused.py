@@ -37,14 +37,13 @@ import torch
 import torch.nn.functional as F
 
 from .backend import resolve
-from .checks import check_options, check_tensor
-from .library import define_op, ops
+from .checks import check_kernel, check_tensor
+from .library import define_op, op
 from .options import DEFAULT_KERNEL_OPTIONS, KernelOptions
-from .platform import FNUZ, fp8_dialect
+from .platform import FNUZ
 from .quant_linear import (FP4_SCALE_DTYPES, FP4_WEIGHT_DTYPES, FP8_SCALE_DTYPES,
                            FP8_WEIGHT_DTYPES)
-from .quant_linear import _run as quant_linear_run
-from .quant_linear_ref import ACT_BLOCK, FP4_BLOCK
+from .quant_linear_ref import ACT_BLOCK, FP4_BLOCK, fp4_grouped_linear_ref, fp8_linear_ref
 
 SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
 
@@ -108,7 +107,7 @@ def moe_routed_ref(x, weights, indices, w1, w3, w2, w1_scale, w3_scale, w2_scale
 
     def grouped(rows, w, scale):
         if scale is not None:
-            return quant_linear_run(rows, w, scale, offs, True, "torch", dialect, True)
+            return fp4_grouped_linear_ref(rows, w, scale, offs, True, dialect)
         return torch._grouped_mm(rows, w.transpose(1, 2), offs=offs)
 
     h = weights.flatten()[order, None] * swiglu(grouped(xs, w1, w1_scale),
@@ -121,19 +120,11 @@ def moe_routed_ref(x, weights, indices, w1, w3, w2, w1_scale, w3_scale, w2_scale
 def moe_shared_ref(routed, x, w1, w3, w2, w1_scale, w3_scale, w2_scale, swiglu_limit):
     def dense(v, w, scale):
         if scale is not None:
-            return quant_linear_run(v, w, scale, None, True, "torch", "ocp", False)
+            return fp8_linear_ref(v, w, scale, True, torch.bfloat16)
         return F.linear(v, w)
 
     h = swiglu(dense(x, w1, w1_scale), dense(x, w3, w3_scale), swiglu_limit)
     return (routed + dense(h.to(x.dtype), w2, w2_scale)).to(x.dtype)
-
-
-def _route_impl(x, gate_weight, bias, tid2eid, input_ids, k, route_scale, score_func, backend):
-    if backend == "triton":
-        from .moe_fused_triton import moe_route_triton
-        return moe_route_triton(x, gate_weight, bias, tid2eid, input_ids, k, route_scale,
-                                score_func)
-    return moe_route_ref(x, gate_weight, bias, tid2eid, input_ids, k, route_scale, score_func)
 
 
 def _route_fake(x, gate_weight, bias, tid2eid, input_ids, k, *rest):
@@ -141,32 +132,8 @@ def _route_fake(x, gate_weight, bias, tid2eid, input_ids, k, *rest):
     return x.new_empty(n, k, dtype=torch.float32), x.new_empty(n, k, dtype=torch.int64)
 
 
-def _routed_impl(x, weights, indices, w1, w3, w2, w1_scale, w3_scale, w2_scale, swiglu_limit,
-                 dialect, backend):
-    if backend == "triton" and w1_scale is None:
-        from .moe_fused_triton import moe_routed_triton
-        return moe_routed_triton(x, weights, indices, w1, w3, w2, swiglu_limit)
-    if backend == "triton":
-        from .moe_fused_quant_triton import moe_routed_fp4_triton
-        return moe_routed_fp4_triton(x, weights, indices, w1, w3, w2, w1_scale, w3_scale,
-                                     w2_scale, swiglu_limit, dialect)
-    return moe_routed_ref(x, weights, indices, w1, w3, w2, w1_scale, w3_scale, w2_scale,
-                          swiglu_limit, dialect)
-
-
 def _routed_fake(x, *rest):
     return x.new_empty(x.shape, dtype=torch.float32)
-
-
-def _shared_impl(routed, x, w1, w3, w2, w1_scale, w3_scale, w2_scale, swiglu_limit, backend):
-    if backend == "triton" and w1_scale is None:
-        from .moe_fused_triton import moe_shared_triton
-        return moe_shared_triton(routed, x, w1, w3, w2, swiglu_limit)
-    if backend == "triton":
-        from .moe_fused_quant_triton import moe_shared_fp8_triton
-        return moe_shared_fp8_triton(routed, x, w1, w3, w2, w1_scale, w3_scale, w2_scale,
-                                     swiglu_limit)
-    return moe_shared_ref(routed, x, w1, w3, w2, w1_scale, w3_scale, w2_scale, swiglu_limit)
 
 
 def _shared_fake(routed, x, *rest):
@@ -175,12 +142,13 @@ def _shared_fake(routed, x, *rest):
 
 MLP = "Tensor w1, Tensor w3, Tensor w2, Tensor? w1_scale, Tensor? w3_scale, Tensor? w2_scale"
 define_op("moe_route", "(Tensor x, Tensor gate_weight, Tensor? bias, Tensor? tid2eid, "
-          "Tensor? input_ids, int k, float route_scale, str score_func, str backend) "
-          "-> (Tensor, Tensor)", _route_impl, _route_fake)
+          "Tensor? input_ids, int k, float route_scale, str score_func) -> (Tensor, Tensor)",
+          moe_route_ref, _route_fake, triton="moe_fused_triton.moe_route_triton")
 define_op("moe_routed", f"(Tensor x, Tensor weights, Tensor indices, {MLP}, float swiglu_limit, "
-          "str dialect, str backend) -> Tensor", _routed_impl, _routed_fake)
-define_op("moe_shared", f"(Tensor routed, Tensor x, {MLP}, float swiglu_limit, str backend) "
-          "-> Tensor", _shared_impl, _shared_fake)
+          "str dialect) -> Tensor", moe_routed_ref, _routed_fake,
+          triton="moe_fused_quant_triton.moe_routed_triton")
+define_op("moe_shared", f"(Tensor routed, Tensor x, {MLP}, float swiglu_limit) -> Tensor",
+          moe_shared_ref, _shared_fake, triton="moe_fused_quant_triton.moe_shared_triton")
 
 
 def _contiguous(*tensors) -> bool:
@@ -243,12 +211,12 @@ def _check_quantized(x, w1, w3, w2, scales, n_experts: int | None) -> None:
 def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, k: int, route_scale: float,
               score_func: str, *, bias: torch.Tensor | None = None,
               tid2eid: torch.Tensor | None = None, input_ids: torch.Tensor | None = None,
-              options: KernelOptions = DEFAULT_KERNEL_OPTIONS
+              kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """The MoE gate of x [N, D]: (weights fp32 [N, k], expert indices int64 [N, k]). gate_weight
     [E, D]; either bias fp32 [E] (a biased gate) or tid2eid int64 [vocab, k] with input_ids [N]
     (a hash gate)."""
-    check_options(options)
+    check_kernel(kernel)
     check_tensor("x", x, dim=2)
     n_experts = gate_weight.shape[0] if isinstance(gate_weight, torch.Tensor) else 0
     check_tensor("gate_weight", gate_weight, shape=(None, x.shape[1]), device=x.device)
@@ -263,22 +231,21 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, k: int, route_scale: f
     else:
         check_tensor("tid2eid", tid2eid, shape=(None, k), device=x.device)
         check_tensor("input_ids", input_ids, shape=(x.shape[0],), device=x.device)
-    backend = resolve("moe_route", x.device, options.backend,
+    backend = resolve("moe_route", x.device, kernel.backend,
                       triton_ok=_contiguous(gate_weight, *([] if tid2eid is None else [tid2eid])))
-    return ops.moe_route(x.contiguous(), gate_weight, bias, tid2eid, input_ids, k,
-                         float(route_scale),
-                         score_func, backend)
+    return op("moe_route", backend)(x.contiguous(), gate_weight, bias, tid2eid, input_ids, k,
+                                    float(route_scale), score_func)
 
 
 def moe_routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, w1: torch.Tensor,
                w3: torch.Tensor, w2: torch.Tensor, *, w1_scale: torch.Tensor | None = None,
                w3_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
                swiglu_limit: float = 0.0,
-               options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
+               kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
     """The routed experts' weighted sum, fp32 [N, D], of x [N, D] (bf16) routed by `moe_route`'s
     (weights, indices). w1, w3 [E, inter, D], w2 [E, D, inter]: bf16, or packed FP4 with
     their ue8m0 scales (see the module docstring)."""
-    check_options(options)
+    check_kernel(kernel)
     check_tensor("x", x, dim=2)
     check_tensor("indices", indices, dtype=torch.int64, dim=2, device=x.device)
     check_tensor("weights", weights, dtype=torch.float32, shape=tuple(indices.shape),
@@ -287,27 +254,27 @@ def moe_routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, w1
         raise ValueError(f"indices must have x's {x.shape[0]} rows, got {tuple(indices.shape)}")
     scales = (w1_scale, w3_scale, w2_scale)
     _check_mlp(x, w1, w3, w2, scales, w1.shape[0] if isinstance(w1, torch.Tensor) else None)
-    backend = resolve("moe_routed", x.device, options.backend,
+    backend = resolve("moe_routed", x.device, kernel.backend,
                       triton_ok=_contiguous(w1, w3, w2, *(s for s in scales if s is not None)))
-    return ops.moe_routed(x.contiguous(), weights, indices, w1, w3, w2, *scales,
-                          float(swiglu_limit), fp8_dialect().name, backend)
+    return op("moe_routed", backend)(x.contiguous(), weights, indices, w1, w3, w2, *scales,
+                                     float(swiglu_limit), kernel.fp8_dialect.name)
 
 
 def moe_shared(routed: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
                w2: torch.Tensor, *, w1_scale: torch.Tensor | None = None,
                w3_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
                swiglu_limit: float = 0.0,
-               options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
+               kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
     """(routed fp32 [N, D] + the shared expert of x [N, D]) in x's dtype. w1, w3 [inter, D],
     w2 [D, inter]: bf16, or FP8 with 128x128 ue8m0 scales."""
-    check_options(options)
+    check_kernel(kernel)
     check_tensor("x", x, dim=2)
     check_tensor("routed", routed, dtype=torch.float32, shape=tuple(x.shape), device=x.device)
     scales = (w1_scale, w3_scale, w2_scale)
     _check_mlp(x, w1, w3, w2, scales, None)
-    fnuz_ocp = fp8_dialect() is FNUZ and w1.dtype == torch.float8_e4m3fn   # as fp8_linear
-    backend = resolve("moe_shared", x.device, options.backend,
+    fnuz_ocp = kernel.fp8_dialect is FNUZ and w1.dtype == torch.float8_e4m3fn   # as fp8_linear
+    backend = resolve("moe_shared", x.device, kernel.backend,
                       triton_ok=_contiguous(w1, w3, w2, *(s for s in scales if s is not None))
                       and not fnuz_ocp)
-    return ops.moe_shared(routed, x.contiguous(), w1, w3, w2, w1_scale, w3_scale, w2_scale,
-                          float(swiglu_limit), backend)
+    return op("moe_shared", backend)(routed, x.contiguous(), w1, w3, w2, w1_scale, w3_scale,
+                                     w2_scale, float(swiglu_limit))

@@ -20,18 +20,20 @@ Numerics. One row per program: a partial is a broadcast multiply and sum over 32
 (EXACT_DOT: the exactly rounded partial, as the torch reference). SiLU is Triton's sigmoid, so
 an h value may differ from the reference's in its last bf16 bit, which moves one input of the
 down GEMM's quantization: agreement within a stated tolerance, not bit for bit.
+
+`moe_routed_triton` and `moe_shared_triton` are the ops' triton backends for every weight
+format: these kernels for FP4 / FP8 weights, `moe_fused_triton`'s for bf16 ones.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from .moe_fused_triton import next_pair, pair_of, weighted_swiglu
-from .platform import DIALECTS, FNUZ, OCP
+from .moe_fused_triton import (moe_routed_bf16_triton, moe_shared_bf16_triton, next_pair,
+                               pair_of, weighted_swiglu)
+from .platform import DIALECTS, FNUZ, OCP, triton_interpreted
 from .quant_linear_triton import LAUNCH_OPTIONS, fp4_k128, fp8_k128
 from .triton_kv_row import fp8_type
 
@@ -122,7 +124,7 @@ def _format(fp4: bool, weight: torch.Tensor, scale: torch.Tensor, dialect: str) 
     """The kernels' format constexprs. FP4: the platform's fp8 rounds the activations (fnuz: on
     half the grid, then doubled); FP8: the weight's dtype is the dialect (fnuz activations
     stored halved with a doubled scale), as `quant_linear_triton` launches them."""
-    exact = os.environ.get("TRITON_INTERPRET") == "1"
+    exact = triton_interpreted()
     if fp4:
         act = DIALECTS[dialect]
         return {"FP4": True, "FP8": fp8_type(act), "HALVES": act is FNUZ, "SCALE_E8M0": True,
@@ -180,3 +182,22 @@ def moe_shared_fp8_triton(routed, x, w1, w3, w2, s1, s3, s2, swiglu_limit):
             h, x, _weight_arg(w2), _scale_arg(s2), routed, out, d, w1.shape[-2], 1, K=1,
             ROUTED=False, BLOCK_N=BLOCK_N, **fmt, **LAUNCH_OPTIONS)
     return out
+
+
+def moe_routed_triton(x, weights, indices, w1, w3, w2, w1_scale, w3_scale, w2_scale,
+                      swiglu_limit, dialect):
+    """The moe_routed op's triton backend: FP4 experts (scales given) here, bf16 ones in
+    `moe_fused_triton`."""
+    if w1_scale is None:
+        return moe_routed_bf16_triton(x, weights, indices, w1, w3, w2, swiglu_limit)
+    return moe_routed_fp4_triton(x, weights, indices, w1, w3, w2, w1_scale, w3_scale, w2_scale,
+                                 swiglu_limit, dialect)
+
+
+def moe_shared_triton(routed, x, w1, w3, w2, w1_scale, w3_scale, w2_scale, swiglu_limit):
+    """The moe_shared op's triton backend: an FP8 expert (scales given) here, a bf16 one in
+    `moe_fused_triton`."""
+    if w1_scale is None:
+        return moe_shared_bf16_triton(routed, x, w1, w3, w2, swiglu_limit)
+    return moe_shared_fp8_triton(routed, x, w1, w3, w2, w1_scale, w3_scale, w2_scale,
+                                 swiglu_limit)

@@ -217,7 +217,8 @@ def _gate_up(x, indices, weights, w1, w3, limit, rows, k, routed):
     return h
 
 
-def moe_routed_triton(x, weights, indices, w1, w3, w2, swiglu_limit):
+def moe_routed_bf16_triton(x, weights, indices, w1, w3, w2, swiglu_limit):
+    """`moe_routed` with bf16 experts."""
     n, d = x.shape
     k = indices.shape[1]
     h = _gate_up(x, indices, weights, w1, w3, swiglu_limit, n * k, k, True)
@@ -230,7 +231,8 @@ def moe_routed_triton(x, weights, indices, w1, w3, w2, swiglu_limit):
     return out
 
 
-def moe_shared_triton(routed, x, w1, w3, w2, swiglu_limit):
+def moe_shared_bf16_triton(routed, x, w1, w3, w2, swiglu_limit):
+    """`moe_shared` with a bf16 expert."""
     n, d = x.shape
     h = _gate_up(x, x, routed, w1, w3, swiglu_limit, n, 1, False)
     out = torch.empty(n, d, dtype=x.dtype, device=x.device)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,9 @@ class Fp8Dialect:
 
     def __str__(self) -> str:
         return self.name
+
+    def __repr__(self) -> str:      # the module constant it is (in KernelOptions' repr)
+        return f"platform.{self.name.upper()}"
 
 
 FNUZ = Fp8Dialect("fnuz", torch.float8_e4m3fnuz, 240.0, "float8e4b8", 0x80)
@@ -72,6 +76,13 @@ def fp8_dialect() -> Fp8Dialect:
     if choice != "auto":
         return DIALECTS[choice]
     return dialect_for_arch(gpu_arch())
+
+
+def triton_interpreted() -> bool:
+    """Whether Triton runs its CPU interpreter (TRITON_INTERPRET=1, which triton reads when it is
+    first imported): kernels then run on CPU tensors, and a few launchers pick the exact
+    arithmetic the interpreter gets right over the fast one a GPU has."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def default_device() -> torch.device:

@@ -24,12 +24,12 @@ from __future__ import annotations
 import torch
 
 from .backend import resolve
-from .checks import check_options, check_tensor, value_checks_enabled
-from .library import define_op, ops
+from .checks import check_kernel, check_tensor, value_checks_enabled
+from .library import define_op, op
 from .options import DEFAULT_KERNEL_OPTIONS, KernelOptions
-from .platform import DIALECTS, FNUZ, OCP, fp8_dialect
-from .quant_linear_ref import (ACT_BLOCK, FP4_BLOCK, SCALE_FORMATS, act_quant, fp8_gemm_ref,
-                               grouped_linear_ref)
+from .platform import FNUZ
+from .quant_linear_ref import (ACT_BLOCK, FP4_BLOCK, SCALE_FORMATS, fp4_grouped_linear_ref,
+                               fp8_grouped_linear_ref, fp8_linear_ref)
 
 FP8_WEIGHT_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 FP8_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e8m0fnu, torch.uint8)
@@ -38,53 +38,22 @@ FP4_SCALE_DTYPES = (torch.float8_e8m0fnu, torch.uint8)
 FP8_LINEAR_OUT_DTYPES = (torch.bfloat16, torch.float32)
 
 
-def _weight_dialect(weight: torch.Tensor):
-    return FNUZ if weight.dtype == torch.float8_e4m3fnuz else OCP
-
-
-def _run(x, weight, weight_scale, offs, round_scale, backend, dialect, fp4,
-         out_dtype=torch.bfloat16):
-    scale_fmt = "ue8m0" if round_scale else None
-    if backend == "triton":
-        from .quant_linear_triton import quant_linear_triton
-        dense = offs is None
-        return quant_linear_triton(x, weight[None] if dense else weight,
-                                   weight_scale[None] if dense else weight_scale, offs,
-                                   round_scale, fp4, DIALECTS[dialect], out_dtype)
-    if offs is None:
-        q, s = act_quant(x, scale_fmt, _weight_dialect(weight))
-        return fp8_gemm_ref(q, s, weight, weight_scale, out_dtype)
-    act_dialect = DIALECTS[dialect] if fp4 else _weight_dialect(weight)
-    return grouped_linear_ref(x, weight, weight_scale, offs, scale_fmt, act_dialect, fp4)
-
-
 def _fake(x, weight, weight_scale, *rest):
     return x.new_empty(x.shape[0], weight.shape[-2], dtype=torch.bfloat16)
 
 
-def _fp8_linear(x, weight, weight_scale, round_scale, backend, out_dtype):
-    return _run(x, weight, weight_scale, None, round_scale, backend, "ocp", False, out_dtype)
-
-
-def _fp8_linear_fake(x, weight, weight_scale, round_scale, backend, out_dtype):
+def _fp8_linear_fake(x, weight, weight_scale, round_scale, out_dtype):
     return x.new_empty(x.shape[0], weight.shape[-2], dtype=out_dtype)
 
 
-def _fp8_grouped_linear(x, weight, weight_scale, offs, round_scale, backend):
-    return _run(x, weight, weight_scale, offs, round_scale, backend, "ocp", False)
-
-
-def _fp4_grouped_linear(x, weight, weight_scale, offs, round_scale, backend, dialect):
-    return _run(x, weight, weight_scale, offs, round_scale, backend, dialect, True)
-
-
 WEIGHTS = "Tensor x, Tensor weight, Tensor weight_scale"
-define_op("fp8_linear", f"({WEIGHTS}, bool round_scale, str backend, ScalarType out_dtype) "
-          "-> Tensor", _fp8_linear, _fp8_linear_fake)
-define_op("fp8_grouped_linear", f"({WEIGHTS}, Tensor offs, bool round_scale, str backend) "
-          "-> Tensor", _fp8_grouped_linear, _fake)
-define_op("fp4_grouped_linear", f"({WEIGHTS}, Tensor offs, bool round_scale, str backend, "
-          "str dialect) -> Tensor", _fp4_grouped_linear, _fake)
+define_op("fp8_linear", f"({WEIGHTS}, bool round_scale, ScalarType out_dtype) -> Tensor",
+          fp8_linear_ref, _fp8_linear_fake, triton="quant_linear_triton.fp8_linear_triton")
+define_op("fp8_grouped_linear", f"({WEIGHTS}, Tensor offs, bool round_scale) -> Tensor",
+          fp8_grouped_linear_ref, _fake, triton="quant_linear_triton.fp8_grouped_linear_triton")
+define_op("fp4_grouped_linear", f"({WEIGHTS}, Tensor offs, bool round_scale, str dialect) "
+          "-> Tensor", fp4_grouped_linear_ref, _fake,
+          triton="quant_linear_triton.fp4_grouped_linear_triton")
 
 
 def _check_x(x) -> int:
@@ -106,12 +75,12 @@ def _check_weight(weight, weight_scale, shape, scale_shape, dtypes, scale_dtypes
             raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
 
 
-def _check_offs(offs, n_groups: int, x: torch.Tensor, options: KernelOptions) -> None:
+def _check_offs(offs, n_groups: int, x: torch.Tensor, kernel: KernelOptions) -> None:
     """int32 [E] on x's device; with value checks (one host read): non-decreasing, from 0 to at
     most x's rows."""
     check_tensor("offs", offs, dtype=torch.int32, shape=(n_groups,), device=x.device)
     n_rows = x.shape[0]
-    if n_groups and value_checks_enabled(options):
+    if n_groups and value_checks_enabled(kernel):
         ends = offs.tolist()
         if ends[0] < 0 or ends[-1] > n_rows or any(b < a for a, b in zip(ends, ends[1:])):
             raise ValueError(f"offs must be non-decreasing cumulative end rows between 0 and "
@@ -124,21 +93,21 @@ def _check_scale_fmt(scale_fmt) -> bool:
     return scale_fmt is not None
 
 
-def _fp8_backend(op, x, weight, options) -> str:
-    fnuz_platform_ocp_weight = fp8_dialect() is FNUZ and weight.dtype == torch.float8_e4m3fn
-    return resolve(op, x.device, options.backend, triton_ok=not fnuz_platform_ocp_weight)
+def _fp8_backend(op, x, weight, kernel) -> str:
+    fnuz_platform_ocp_weight = kernel.fp8_dialect is FNUZ and weight.dtype == torch.float8_e4m3fn
+    return resolve(op, x.device, kernel.backend, triton_ok=not fnuz_platform_ocp_weight)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, *,
                scale_fmt: str | None = "ue8m0", out_dtype: torch.dtype = torch.bfloat16,
-               options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
+               kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
     """bf16 [M, N] = act_quant(x) @ weight.T, the reference's FP8 linear. x bf16 [M, K]
     (K % 128 == 0, contiguous); weight [N, K] float8_e4m3fn (or float8_e4m3fnuz from
     `ocp_to_fnuz`); weight_scale [ceil(N/128), K/128] (float32, bfloat16, float8_e8m0fnu or its
     bytes as uint8). out_dtype float32: the fp32 accumulator not rounded to bf16 (a
     tensor-parallel rank's partial product, rounded after the sum over ranks).
-    options.backend picks the backend (no HIP version: hip runs Triton)."""
-    check_options(options)
+    kernel.backend picks the backend (no HIP version: hip runs Triton)."""
+    check_kernel(kernel)
     round_scale = _check_scale_fmt(scale_fmt)
     if out_dtype not in FP8_LINEAR_OUT_DTYPES:
         raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
@@ -146,45 +115,45 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     n = weight.shape[0] if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
     _check_weight(weight, weight_scale, (None, k), (-(-(n or 0) // ACT_BLOCK), k // ACT_BLOCK),
                   FP8_WEIGHT_DTYPES, FP8_SCALE_DTYPES, x.device)
-    return ops.fp8_linear(x, weight, weight_scale, round_scale,
-                          _fp8_backend("fp8_linear", x, weight, options), out_dtype)
+    backend = _fp8_backend("fp8_linear", x, weight, kernel)
+    return op("fp8_linear", backend)(x, weight, weight_scale, round_scale, out_dtype)
 
 
 def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                        offs: torch.Tensor, *, scale_fmt: str | None = "ue8m0",
-                       options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
+                       kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
     """bf16 [P, N]: row r of expert e's group (offs[e-1] <= r < offs[e]) times weight[e], as
     `fp8_linear` computes it. weight [E, N, K] fp8, weight_scale [E, ceil(N/128), K/128],
     offs int32 [E] on x's device; rows past offs[-1] are 0. offs is checked on the host (one
-    read) unless value checks are off (options.value_checks, graph capture)."""
-    check_options(options)
+    read) unless value checks are off (kernel.value_checks, graph capture)."""
+    check_kernel(kernel)
     round_scale = _check_scale_fmt(scale_fmt)
     k = _check_x(x)
     e, n = weight.shape[:2] if isinstance(weight, torch.Tensor) and weight.dim() == 3 else (0, 0)
     _check_weight(weight, weight_scale, (None, None, k),
                   (e, -(-n // ACT_BLOCK), k // ACT_BLOCK), FP8_WEIGHT_DTYPES, FP8_SCALE_DTYPES,
                   x.device)
-    _check_offs(offs, e, x, options)
-    return ops.fp8_grouped_linear(x, weight, weight_scale, offs, round_scale,
-                                  _fp8_backend("fp8_grouped_linear", x, weight, options))
+    _check_offs(offs, e, x, kernel)
+    backend = _fp8_backend("fp8_grouped_linear", x, weight, kernel)
+    return op("fp8_grouped_linear", backend)(x, weight, weight_scale, offs, round_scale)
 
 
 def fp4_grouped_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                        offs: torch.Tensor, *, scale_fmt: str | None = "ue8m0",
-                       options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
+                       kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
     """bf16 [P, N]: the routed experts' FP4 linear. Row r of expert e's group (offs[e-1] <= r <
     offs[e]) is quantized as act_quant does and multiplied with weight[e]: e2m1 codes packed two
     per byte along K, element 2i in the low nibble, [E, N, K/2] (int8 as published, uint8 or
     float4_e2m1fn_x2), weight_scale ue8m0 [E, N, K/32] (float8_e8m0fnu or its bytes as uint8).
     offs int32 [E] cumulative end rows on x's device (checked as in `fp8_grouped_linear`); rows
     past offs[-1] are 0."""
-    check_options(options)
+    check_kernel(kernel)
     round_scale = _check_scale_fmt(scale_fmt)
     k = _check_x(x)
     e, n = weight.shape[:2] if isinstance(weight, torch.Tensor) and weight.dim() == 3 else (0, 0)
     _check_weight(weight, weight_scale, (None, None, k // 2), (e, n, k // FP4_BLOCK),
                   FP4_WEIGHT_DTYPES, FP4_SCALE_DTYPES, x.device)
-    _check_offs(offs, e, x, options)
-    return ops.fp4_grouped_linear(x, weight, weight_scale, offs, round_scale,
-                                  resolve("fp4_grouped_linear", x.device, options.backend),
-                                  fp8_dialect().name)
+    _check_offs(offs, e, x, kernel)
+    backend = resolve("fp4_grouped_linear", x.device, kernel.backend)
+    return op("fp4_grouped_linear", backend)(x, weight, weight_scale, offs, round_scale,
+                                             kernel.fp8_dialect.name)

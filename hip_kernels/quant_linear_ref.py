@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from .capture import is_capturing
-from .platform import FNUZ, OCP, Fp8Dialect
+from .platform import DIALECTS, FNUZ, OCP, Fp8Dialect
 
 ACT_BLOCK = 128
 FP4_BLOCK = 32
@@ -153,6 +153,35 @@ def grouped_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
             q, s = act_quant(x[start:end], scale_fmt, dialect)
             out[start:end] = gemm(q, s, weight[e], weight_scale[e])
     return out
+
+
+def weight_dialect(weight: torch.Tensor) -> Fp8Dialect:
+    """The dialect of an FP8 weight: its dtype's (fnuz after `ocp_to_fnuz`, else OCP)."""
+    return FNUZ if weight.dtype == torch.float8_e4m3fnuz else OCP
+
+
+def _scale_fmt(round_scale: bool) -> str | None:
+    return "ue8m0" if round_scale else None
+
+
+def fp8_linear_ref(x, weight, weight_scale, round_scale: bool,
+                   out_dtype: torch.dtype) -> torch.Tensor:
+    """The fp8_linear op's torch backend: act_quant in the weight's dialect, then fp8_gemm."""
+    q, s = act_quant(x, _scale_fmt(round_scale), weight_dialect(weight))
+    return fp8_gemm_ref(q, s, weight, weight_scale, out_dtype)
+
+
+def fp8_grouped_linear_ref(x, weight, weight_scale, offs, round_scale: bool) -> torch.Tensor:
+    """The fp8_grouped_linear op's torch backend (the activations in the weight's dialect)."""
+    return grouped_linear_ref(x, weight, weight_scale, offs, _scale_fmt(round_scale),
+                              weight_dialect(weight), False)
+
+
+def fp4_grouped_linear_ref(x, weight, weight_scale, offs, round_scale: bool,
+                           dialect: str) -> torch.Tensor:
+    """The fp4_grouped_linear op's torch backend (the activations in the fp8 dialect named)."""
+    return grouped_linear_ref(x, weight, weight_scale, offs, _scale_fmt(round_scale),
+                              DIALECTS[dialect], True)
 
 
 def ocp_to_fnuz(weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,14 +28,13 @@ no dot_scaled and gfx942 fails to compile it, so that path could not be tested h
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from . import quant_linear_ref as R
-from .platform import FNUZ, OCP
+from .platform import DIALECTS, FNUZ, OCP, triton_interpreted
 from .triton_kv_row import fp8_type
 
 AMAX_FLOOR = tl.constexpr(R.AMAX_FLOOR)
@@ -270,7 +269,7 @@ def quant_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
     row_split = min(MAX_ROW_SPLIT, -(-rows_per_group // bm))
     bn = block_n(n_groups, n_out)
     grid = (n_groups, triton.cdiv(n_out, bn), row_split)
-    exact = os.environ.get("TRITON_INTERPRET") == "1"
+    exact = triton_interpreted()
     e8m0 = weight_scale.dtype in (torch.uint8, torch.float8_e8m0fnu)
     scale = weight_scale.view(torch.uint8) if e8m0 else weight_scale.float()
     common = (x, x.stride(0), weight.view(torch.uint8), weight.stride(0), weight.stride(1), scale,
@@ -288,3 +287,20 @@ def quant_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
                                 GROUPED=grouped, BLOCK_M=bm, BLOCK_N=bn, EXACT_DOT=exact,
                                 **LAUNCH_OPTIONS)
     return out
+
+
+def fp8_linear_triton(x, weight, weight_scale, round_scale, out_dtype):
+    """The fp8_linear op's triton backend: a dense linear is one group."""
+    return quant_linear_triton(x, weight[None], weight_scale[None], None, round_scale, False, OCP,
+                               out_dtype)
+
+
+def fp8_grouped_linear_triton(x, weight, weight_scale, offs, round_scale):
+    """The fp8_grouped_linear op's triton backend."""
+    return quant_linear_triton(x, weight, weight_scale, offs, round_scale, False, OCP)
+
+
+def fp4_grouped_linear_triton(x, weight, weight_scale, offs, round_scale, dialect):
+    """The fp4_grouped_linear op's triton backend (dialect: the fp8 dialect's name)."""
+    return quant_linear_triton(x, weight, weight_scale, offs, round_scale, True,
+                               DIALECTS[dialect])

@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 
 from .backend import resolve
-from .checks import check_options, check_tensor
-from .library import define_op, ops
+from .checks import check_kernel, check_tensor
+from .library import define_op, op
 from .options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 
 OP = "rms_norm"
@@ -28,30 +28,24 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return (weight.float() * y).to(x.dtype)
 
 
-def _impl(x, weight, eps, backend):
-    if backend == "triton":
-        from .rms_norm_triton import rms_norm_triton
-        return rms_norm_triton(x, weight, eps)
-    return rms_norm_ref(x, weight, eps)
-
-
-def _fake(x, weight, eps, backend):
+def _fake(x, weight, eps):
     return torch.empty_like(x)
 
 
-define_op(OP, "(Tensor x, Tensor weight, float eps, str backend) -> Tensor", _impl, _fake)
+define_op(OP, "(Tensor x, Tensor weight, float eps) -> Tensor", rms_norm_ref, _fake,
+          triton="rms_norm_triton.rms_norm_triton")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
-             options: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
+             kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
     """RMSNorm of x [..., D] (bf16, fp16 or fp32) over its last dim with a weight [D] (used in fp32);
-    result in x's dtype. options.backend picks the backend (no HIP version)."""
-    check_options(options)
+    result in x's dtype. kernel.backend picks the backend (no HIP version)."""
+    check_kernel(kernel)
     check_tensor("x", x, dtypes=DTYPES)
     if x.dim() < 1:
         raise ValueError("x must have at least one dimension")
     check_tensor("weight", weight, dtypes=DTYPES, shape=(x.shape[-1],), device=x.device)
     if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0:
         raise ValueError(f"eps must be a float >= 0, got {eps!r}")
-    backend = resolve(OP, x.device, options.backend)
-    return ops.rms_norm(x.contiguous(), weight.contiguous(), float(eps), backend)
+    backend = resolve(OP, x.device, kernel.backend)
+    return op(OP, backend)(x.contiguous(), weight.contiguous(), float(eps))

@@ -10,6 +10,7 @@ then raises BackendUnavailable with that reason. Nothing is built at import.
 Numerics: the kernels run `StoreNumerics` with the default fields but for `rms` ("exact" or
 "device") and `q_mode` ("norm_rope" or "bf16_norm_rope"), so both DEFAULT_NUMERICS and
 REFERENCE_NUMERICS; `supports(numerics)` says which, the ops raise ValueError for the rest.
+Each store takes the arguments of its dispatcher op (`set_kv.SCHEMAS`), whose hip backend it is.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 import torch
 
 from .numerics import DEFAULT_NUMERICS, StoreNumerics
-from .platform import BackendUnavailable, Fp8Dialect
+from .platform import BackendUnavailable
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("set_kv_binding.cpp", "set_kv_kernels.cu")
@@ -126,27 +127,28 @@ def _checked(numerics: StoreNumerics) -> StoreNumerics:
 
 
 def fused_k_norm_rope_store(kv, weight, eps, freqs_cis, positions, out_loc, cache, page_size,
-                            q, dialect: Fp8Dialect,
-                            numerics: StoreNumerics = DEFAULT_NUMERICS) -> None:
-    """numerics.rms: the KV row's norm; numerics.q_mode: the q heads' ("norm_rope" uses rms)."""
-    _checked(numerics)
+                            q, dialect: str, round_to_bf16: bool, fp8_max: float | None,
+                            amax_floor: float, q_mode: str, rms: str) -> None:
+    """rms: the KV row's norm; q_mode: the q heads' ("norm_rope" uses rms)."""
+    _checked(StoreNumerics(round_to_bf16, fp8_max, amax_floor, q_mode, rms))
     _ops().k_norm_rope_store(kv, _weight(weight), float(eps), torch.view_as_real(freqs_cis),
-                             positions, out_loc, cache, page_size, q, dialect.name == "fnuz",
-                             numerics.rms, numerics.q_mode)
+                             positions, out_loc, cache, page_size, q, dialect == "fnuz", rms,
+                             q_mode)
 
 
-def fused_store_cache(rows, cache, out_loc, page_size, dialect: Fp8Dialect,
-                      numerics: StoreNumerics = DEFAULT_NUMERICS) -> None:
+def fused_store_cache(rows, cache, out_loc, page_size, dialect: str, round_to_bf16: bool,
+                      fp8_max: float | None, amax_floor: float, q_mode: str, rms: str) -> None:
     """Rows arrive normalized: rms and q_mode change nothing here."""
-    _checked(numerics)
-    _ops().store_cache(rows, cache, out_loc, page_size, dialect.name == "fnuz")
+    _checked(StoreNumerics(round_to_bf16, fp8_max, amax_floor, q_mode, rms))
+    _ops().store_cache(rows, cache, out_loc, page_size, dialect == "fnuz")
 
 
 def fused_translate_norm_rope_store(kv, weight, eps, freqs_cis, positions, full_loc, full_to_swa,
-                                    cache, page_size, swa_loc_out, dialect: Fp8Dialect, q=None,
-                                    numerics: StoreNumerics = DEFAULT_NUMERICS) -> None:
-    _checked(numerics)
+                                    cache, page_size, swa_loc_out, q, dialect: str,
+                                    round_to_bf16: bool, fp8_max: float | None,
+                                    amax_floor: float, q_mode: str, rms: str) -> None:
+    _checked(StoreNumerics(round_to_bf16, fp8_max, amax_floor, q_mode, rms))
     _ops().translate_norm_rope_store(kv, _weight(weight), float(eps),
                                      torch.view_as_real(freqs_cis), positions, full_loc,
                                      full_to_swa, cache, page_size, swa_loc_out,
-                                     dialect.name == "fnuz", q, numerics.rms, numerics.q_mode)
+                                     dialect == "fnuz", q, rms, q_mode)

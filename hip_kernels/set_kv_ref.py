@@ -12,6 +12,10 @@ Numerics every backend reproduces (so fused and unfused paths write identical by
 `numerics.StoreNumerics` changes these points explicitly (a host engine's own writer):
 without the bf16 rounding the normed row stays fp32 through RoPE and quantization; q_mode says
 what a fused q gets (see StoreNumerics). weight None: kv arrives normalized, only RoPE'd.
+
+The stores take the arguments of their dispatcher op (`set_kv.SCHEMAS`), each registered as the
+op's torch backend: the fp8 dialect by name, the StoreNumerics by its fields
+(`**dataclasses.asdict(numerics)`).
 """
 
 from __future__ import annotations
@@ -19,8 +23,8 @@ from __future__ import annotations
 import torch
 
 from . import kv_layout as L
-from .numerics import DEFAULT_NUMERICS, StoreNumerics
-from .platform import Fp8Dialect
+from .numerics import StoreNumerics
+from .platform import DIALECTS
 
 
 def rms_norm_fp32(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
@@ -44,11 +48,6 @@ def rms_norm_bf16_ops(x: torch.Tensor, eps: float) -> torch.Tensor:
     """The reference's weightless q RMSNorm, each op rounded to bf16 in turn:
     x * rsqrt(mean(x^2) + eps) with x^2, the mean, + eps, rsqrt and the product all bf16."""
     return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
-
-
-def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim of a bf16 tensor, result bf16 (weight None = weightless)."""
-    return rms_norm_fp32(x, weight, eps).to(torch.bfloat16)
 
 
 def rope_bf16(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -96,24 +95,31 @@ def _norm_rope_q(q, eps, f, numerics: StoreNumerics) -> None:
     q[..., L.NOPE_DIM:] = rope
 
 
-def _store_rows(rows, cache, loc, page_size, dialect: Fp8Dialect,
-                numerics: StoreNumerics = DEFAULT_NUMERICS) -> None:
-    nope, rope, scales = L.quantize_kv_rows(rows, dialect, numerics)
+def _store_rows(rows, cache, loc, page_size, dialect: str, numerics: StoreNumerics) -> None:
+    nope, rope, scales = L.quantize_kv_rows(rows, DIALECTS[dialect], numerics)
     values, scale_bytes = L.pack_kv_bytes(nope, rope, scales)
     L.write_kv_bytes(cache, loc, page_size, values, scale_bytes)
 
 
-def fused_k_norm_rope_store(kv, weight, eps, freqs_cis, positions, out_loc, cache, page_size,
-                            q, dialect: Fp8Dialect, numerics: StoreNumerics = DEFAULT_NUMERICS):
+def _norm_rope_store(kv, weight, eps, freqs_cis, positions, loc, cache, page_size, q,
+                     dialect: str, numerics: StoreNumerics) -> None:
     rows, f = _norm_rope_rows(kv, weight, eps, freqs_cis, positions, numerics)
-    _store_rows(rows, cache, out_loc, page_size, dialect, numerics)
+    _store_rows(rows, cache, loc, page_size, dialect, numerics)
     if q is not None:
         _norm_rope_q(q, eps, f, numerics)
 
 
-def fused_store_cache(rows, cache, out_loc, page_size, dialect: Fp8Dialect,
-                      numerics: StoreNumerics = DEFAULT_NUMERICS) -> None:
-    _store_rows(rows, cache, out_loc, page_size, dialect, numerics)
+def fused_k_norm_rope_store(kv, weight, eps, freqs_cis, positions, out_loc, cache, page_size,
+                            q, dialect: str, round_to_bf16: bool, fp8_max: float | None,
+                            amax_floor: float, q_mode: str, rms: str) -> None:
+    _norm_rope_store(kv, weight, eps, freqs_cis, positions, out_loc, cache, page_size, q,
+                     dialect, StoreNumerics(round_to_bf16, fp8_max, amax_floor, q_mode, rms))
+
+
+def fused_store_cache(rows, cache, out_loc, page_size, dialect: str, round_to_bf16: bool,
+                      fp8_max: float | None, amax_floor: float, q_mode: str, rms: str) -> None:
+    _store_rows(rows, cache, out_loc, page_size, dialect,
+                StoreNumerics(round_to_bf16, fp8_max, amax_floor, q_mode, rms))
 
 
 def store_kv_pack(nope_fp8, rope_bf16, scales, cache, out_loc, page_size) -> None:
@@ -121,9 +127,8 @@ def store_kv_pack(nope_fp8, rope_bf16, scales, cache, out_loc, page_size) -> Non
     L.write_kv_bytes(cache, out_loc, page_size, values, scale_bytes)
 
 
-def indexer_store(k, cache, out_loc, page_size, dialect: Fp8Dialect,
-                  pow2_scale: bool = False) -> None:
-    qk, scale = L.quantize_indexer_rows(k, dialect, pow2_scale)
+def indexer_store(k, cache, out_loc, page_size, dialect: str, pow2_scale: bool) -> None:
+    qk, scale = L.quantize_indexer_rows(k, DIALECTS[dialect], pow2_scale)
     L.write_indexer_bytes(cache, out_loc, page_size, qk, scale)
 
 
@@ -137,12 +142,13 @@ def translate_full_to_swa(full_loc: torch.Tensor, full_to_swa: torch.Tensor) -> 
 
 
 def fused_translate_norm_rope_store(kv, weight, eps, freqs_cis, positions, full_loc, full_to_swa,
-                                    cache, page_size, swa_loc_out, dialect: Fp8Dialect, q=None,
-                                    numerics: StoreNumerics = DEFAULT_NUMERICS) -> None:
+                                    cache, page_size, swa_loc_out, q, dialect: str,
+                                    round_to_bf16: bool, fp8_max: float | None,
+                                    amax_floor: float, q_mode: str, rms: str) -> None:
     """fused_k_norm_rope_store at the SWA slots of full_loc (unmapped slot 0: no write)."""
     swa = translate_full_to_swa(full_loc, full_to_swa)
     write_loc = torch.where(swa > 0, swa, torch.full_like(swa, -1))
-    fused_k_norm_rope_store(kv, weight, eps, freqs_cis, positions, write_loc, cache, page_size, q,
-                            dialect, numerics)
+    _norm_rope_store(kv, weight, eps, freqs_cis, positions, write_loc, cache, page_size, q,
+                     dialect, StoreNumerics(round_to_bf16, fp8_max, amax_floor, q_mode, rms))
     if swa_loc_out is not None:
         swa_loc_out.copy_(swa)

@@ -1,4 +1,6 @@
-"""Triton kernels and launchers of the set-KV family (same names and arguments as `set_kv_ref`).
+"""Triton kernels and launchers of the set-KV family. Each launcher is its dispatcher op's triton
+backend itself (`set_kv.SCHEMAS`: the same names and arguments as `set_kv_ref`), so a store
+reaches its kernel with no frame between the op and the launch.
 
 One program per KV row (plus one per q head when q is fused in). Arguments are checked by the
 public ops in `set_kv`; these launchers trust them. Rows whose location is negative (or, for the
@@ -11,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .numerics import DEFAULT_NUMERICS, Q_MODES
+from .numerics import Q_MODES
+from .platform import DIALECTS
 from .triton_kv_row import (AMAX_FLOOR, FP32_NAN, INDEX_DIM, INDEX_POW2_AMAX_FLOOR,
                             LAUNCH_OPTIONS, N_TILES, NOPE_DIM, SCALE_BYTES, bf16_rms_inverse,
                             canonical_nan_bf16, fp8_bits, fp8_constexprs, indexer_offsets,
@@ -114,44 +117,51 @@ def norm_rope_store_kernel(kv_ptr, kv_stride, weight_ptr, eps, freq_ptr, freq_st
                 _norm_rope_q_head(q_head, eps, freq_row, freq_stride_pair, Q_MODE, RMS_DEVICE)
 
 
-def _launch_norm_rope(kv, weight, eps, freqs_cis, positions, loc, full_to_swa, swa_loc_out, cache,
-                      page_size, q, dialect, numerics=DEFAULT_NUMERICS):
-    n = kv.shape[0]
-    if n == 0:
-        return
-    translate, has_swa_out = full_to_swa is not None, swa_loc_out is not None
+def _norm_rope_launch(kv, weight, eps, freqs_cis, positions, loc, full_to_swa, swa_loc_out,
+                      cache, page_size, q, dialect, round_to_bf16, fp8_max, amax_floor, q_mode,
+                      rms) -> tuple[tuple, tuple, dict]:
+    """(grid, arguments, keyword arguments) of norm_rope_store_kernel for one store: the two
+    norm + RoPE launchers differ only in the translation."""
     freqs = torch.view_as_real(freqs_cis)
     heads = 0 if q is None else q.shape[1]
     map_len = 0 if full_to_swa is None else full_to_swa.shape[0]
+    translate, has_swa_out = full_to_swa is not None, swa_loc_out is not None
     full_to_swa = loc if full_to_swa is None else full_to_swa      # placeholders when absent
     swa_loc_out = loc if swa_loc_out is None else swa_loc_out
-    norm_rope_store_kernel[(n, 1 + heads)](
-        kv, kv.stride(0), kv if weight is None else weight, float(eps), freqs, freqs.stride(0),
-        freqs.stride(1), positions,
-        positions.stride(0), loc, loc.stride(0), full_to_swa, full_to_swa.stride(0), map_len,
-        swa_loc_out, swa_loc_out.stride(0), cache, cache.shape[0] * page_size,
-        kv if q is None else q, 0 if q is None else q.stride(0),
-        0 if q is None else q.stride(1),
-        PAGE_SIZE=page_size, PAGE_BYTES=cache.stride(0),
-        **fp8_constexprs(dialect, numerics.fp8_max_for(dialect), cache.device),
-        TRANSLATE=translate,
-        HAS_SWA_OUT=has_swa_out, HAS_Q=q is not None, TILE_AMAX_FLOOR=numerics.amax_floor,
-        ROUND_BF16=numerics.round_to_bf16, KV_NORM=weight is not None,
-        Q_MODE=Q_MODES.index(numerics.q_mode), RMS_DEVICE=numerics.rms == "device",
-        **LAUNCH_OPTIONS)
+    args = (kv, kv.stride(0), kv if weight is None else weight, float(eps), freqs,
+            freqs.stride(0), freqs.stride(1), positions, positions.stride(0), loc, loc.stride(0),
+            full_to_swa, full_to_swa.stride(0), map_len, swa_loc_out, swa_loc_out.stride(0),
+            cache, cache.shape[0] * page_size, kv if q is None else q,
+            0 if q is None else q.stride(0), 0 if q is None else q.stride(1))
+    kwargs = dict(PAGE_SIZE=page_size, PAGE_BYTES=cache.stride(0),
+                  **fp8_constexprs(DIALECTS[dialect], fp8_max, cache.device),
+                  TRANSLATE=translate, HAS_SWA_OUT=has_swa_out, HAS_Q=q is not None,
+                  TILE_AMAX_FLOOR=amax_floor, ROUND_BF16=round_to_bf16,
+                  KV_NORM=weight is not None, Q_MODE=Q_MODES.index(q_mode),
+                  RMS_DEVICE=rms == "device", **LAUNCH_OPTIONS)
+    return (kv.shape[0], 1 + heads), args, kwargs
 
 
 def fused_k_norm_rope_store(kv, weight, eps, freqs_cis, positions, out_loc, cache, page_size,
-                            q, dialect, numerics=DEFAULT_NUMERICS) -> None:
-    _launch_norm_rope(kv, weight, eps, freqs_cis, positions, out_loc, None, None, cache,
-                      page_size, q, dialect, numerics)
+                            q, dialect, round_to_bf16, fp8_max, amax_floor, q_mode, rms) -> None:
+    if kv.shape[0] == 0:
+        return
+    grid, args, kwargs = _norm_rope_launch(kv, weight, eps, freqs_cis, positions, out_loc, None,
+                                           None, cache, page_size, q, dialect, round_to_bf16,
+                                           fp8_max, amax_floor, q_mode, rms)
+    norm_rope_store_kernel[grid](*args, **kwargs)
 
 
 def fused_translate_norm_rope_store(kv, weight, eps, freqs_cis, positions, full_loc, full_to_swa,
-                                    cache, page_size, swa_loc_out, dialect, q=None,
-                                    numerics=DEFAULT_NUMERICS) -> None:
-    _launch_norm_rope(kv, weight, eps, freqs_cis, positions, full_loc, full_to_swa, swa_loc_out,
-                      cache, page_size, q, dialect, numerics)
+                                    cache, page_size, swa_loc_out, q, dialect, round_to_bf16,
+                                    fp8_max, amax_floor, q_mode, rms) -> None:
+    if kv.shape[0] == 0:
+        return
+    grid, args, kwargs = _norm_rope_launch(kv, weight, eps, freqs_cis, positions, full_loc,
+                                           full_to_swa, swa_loc_out, cache, page_size, q,
+                                           dialect, round_to_bf16, fp8_max, amax_floor, q_mode,
+                                           rms)
+    norm_rope_store_kernel[grid](*args, **kwargs)
 
 
 @triton.jit
@@ -171,14 +181,16 @@ def store_cache_kernel(rows_ptr, row_stride, loc_ptr, loc_stride, cache_ptr, num
                  PAGE_BYTES)
 
 
-def fused_store_cache(rows, cache, out_loc, page_size, dialect, numerics=DEFAULT_NUMERICS):
+def fused_store_cache(rows, cache, out_loc, page_size, dialect, round_to_bf16, fp8_max,
+                      amax_floor, q_mode, rms) -> None:
+    """The rows arrive normalized and rounded: round_to_bf16, q_mode and rms change nothing."""
     if rows.shape[0] == 0:
         return
     store_cache_kernel[(rows.shape[0],)](
         rows, rows.stride(0), out_loc, out_loc.stride(0), cache, cache.shape[0] * page_size,
         PAGE_SIZE=page_size, PAGE_BYTES=cache.stride(0),
-        **fp8_constexprs(dialect, numerics.fp8_max_for(dialect), cache.device),
-        TILE_AMAX_FLOOR=numerics.amax_floor, **LAUNCH_OPTIONS)
+        **fp8_constexprs(DIALECTS[dialect], fp8_max, cache.device),
+        TILE_AMAX_FLOOR=amax_floor, **LAUNCH_OPTIONS)
 
 
 @triton.jit
@@ -239,10 +251,10 @@ def indexer_store_kernel(k_ptr, k_stride, loc_ptr, loc_stride, cache_ptr, num_sl
     tl.store((cache_ptr + scale_off).to(tl.pointer_type(tl.float32)), scale, mask=keep)
 
 
-def indexer_store(k, cache, out_loc, page_size, dialect, pow2_scale=False) -> None:
+def indexer_store(k, cache, out_loc, page_size, dialect, pow2_scale) -> None:
     if k.shape[0] == 0:
         return
     indexer_store_kernel[(k.shape[0],)](
         k, k.stride(0), out_loc, out_loc.stride(0), cache, cache.shape[0] * page_size,
-        PAGE_SIZE=page_size, **fp8_constexprs(dialect, device=cache.device),
+        PAGE_SIZE=page_size, **fp8_constexprs(DIALECTS[dialect], device=cache.device),
         POW2_SCALE=pow2_scale, **LAUNCH_OPTIONS)

@@ -12,12 +12,11 @@ the launchers' options, and what the JIT specializes at run time for torch tenso
 
 from __future__ import annotations
 
-import os
 import re
 
 from . import kv_layout as L
 from . import numerics as N
-from .platform import dialect_for_arch
+from .platform import dialect_for_arch, triton_interpreted
 
 ARCHS = ("gfx942", "gfx950")
 # fp32 -> fp8 hardware converts: gfx942 (fnuz) and gfx950 (OCP, with a scale operand)
@@ -319,7 +318,7 @@ def compile_for(kernel, signature, constexprs, arch, options=None):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if triton_interpreted():
         raise RuntimeError("ahead-of-time compile needs a process with TRITON_INTERPRET unset")
     from .triton_kv_row import LAUNCH_OPTIONS
 

@@ -38,6 +38,7 @@ from bench_set_kv import peak_hbm_bytes_per_s, skip_reason
 from hip_kernels import KernelOptions, kv_layout as L, set_kv
 from hip_kernels.decode_attention import sparse_decode_attention
 from hip_kernels.indexer_scores import indexer_scores
+from hip_kernels.platform import fp8_dialect
 
 BACKENDS = ("torch", "triton")
 PAGE = 64
@@ -58,7 +59,7 @@ def attention_inputs(batch: int, args, g) -> dict:
     for _ in range(2):
         cache = torch.zeros(slots // PAGE, L.page_bytes(PAGE), dtype=torch.uint8)
         set_kv.fused_store_cache(torch.randn(slots, L.HEAD_DIM, generator=g).bfloat16(), cache,
-                                 torch.arange(slots), PAGE, options=options("torch"))
+                                 torch.arange(slots), PAGE, kernel=kernel_options("torch"))
         caches.append(cache.to(dev))
     return dict(q=torch.randn(batch, args.heads, L.HEAD_DIM, generator=g).bfloat16().to(dev),
                 swa_cache=caches[0], window_loc=_slots(g, batch, args.window, slots).to(dev),
@@ -75,7 +76,7 @@ def indexer_inputs(batch: int, args, g) -> dict:
     slots = -(-(args.index_rows + 1) // PAGE) * PAGE
     cache = torch.zeros(slots // PAGE, L.indexer_page_bytes(PAGE), dtype=torch.uint8)
     set_kv.indexer_store(torch.randn(slots, L.INDEX_DIM, generator=g).bfloat16(), cache,
-                         torch.arange(slots), PAGE, pow2_scale=True, options=options("torch"))
+                         torch.arange(slots), PAGE, pow2_scale=True, kernel=kernel_options("torch"))
     return dict(q=torch.randn(batch, args.index_heads, L.INDEX_DIM, generator=g).bfloat16()
                 .to(dev),
                 weights=(torch.randn(batch, args.index_heads, generator=g) * 0.01).bfloat16()
@@ -98,16 +99,17 @@ def moved_bytes(op: str, a: dict) -> int:
             + nbytes(a["window_loc"], a["window_valid"], a["comp_loc"], a["comp_valid"]))
 
 
-def options(backend: str) -> KernelOptions:
-    """The options of every timed call: no host range check (a sync per call)."""
-    return KernelOptions(backend=backend, value_checks=False)
+def kernel_options(backend: str) -> KernelOptions:
+    """The KernelOptions of every timed call: no host range check (a sync per call), the
+    platform's fp8 dialect."""
+    return KernelOptions(backend=backend, value_checks=False, fp8_dialect=fp8_dialect())
 
 
 def run(op: str, numerics: str, backend: str, a: dict):
     if op == "indexer_scores":
-        return indexer_scores(**a, options=options(backend))
+        return indexer_scores(**a, kernel=kernel_options(backend))
     return sparse_decode_attention(**a, reference=numerics == "reference",
-                                   options=options(backend))
+                                   kernel=kernel_options(backend))
 
 
 def measure(op: str, numerics: str, backend: str, batch: int, args) -> dict:

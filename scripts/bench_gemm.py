@@ -59,8 +59,10 @@ MODELS = {"flash": linears(4096, 1024, 64, 8, 1024, 2048, 256),
           "quick": linears(256, 128, 1, 1, 128, 128, 8)}       # --quick on a CPU
 
 
-def options(backend: str) -> KernelOptions:
-    return KernelOptions(backend=backend, value_checks=False)
+def kernel_options(backend: str) -> KernelOptions:
+    """The KernelOptions of every timed call: no host check of offs (a sync per call), the
+    platform's fp8 dialect."""
+    return KernelOptions(backend=backend, value_checks=False, fp8_dialect=fp8_dialect())
 
 
 def fp8_case(k, n, tokens, g):
@@ -70,12 +72,12 @@ def fp8_case(k, n, tokens, g):
                        dtype=torch.uint8).view(torch.float8_e8m0fnu)
     dense = R.e8m0_to_float(ws).repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)
     bf16 = (w.float() * dense).bfloat16().to(dev)
-    if fp8_dialect() is FNUZ:
+    if kernel_options("auto").fp8_dialect is FNUZ:     # the weights as the load converts them
         w, ws = ocp_to_fnuz(w, ws)
     x = torch.randn(tokens, k, generator=g).bfloat16().to(dev)
     a = {"x": x, "weight": w.to(dev), "weight_scale": ws.to(dev)}
     moved = (w.numel() + ws.numel() + 2 * x.numel() + 2 * tokens * n)
-    return (lambda b: fp8_linear(**a, options=options(b)), lambda: F.linear(x, bf16), moved,
+    return (lambda b: fp8_linear(**a, kernel=kernel_options(b)), lambda: F.linear(x, bf16), moved,
             moved + bf16.numel() - w.numel() - ws.numel(), tokens, 0)
 
 
@@ -95,7 +97,7 @@ def fp4_case(k, n, experts, tokens, g):
     x = torch.randn(rows, k, generator=g).bfloat16().to(dev)
     a = {"x": x, "weight": w.to(dev), "weight_scale": ws.to(dev), "offs": offs.to(dev)}
     moved = w.numel() + ws.numel() + 2 * x.numel() + 2 * rows * n + 4 * e
-    return (lambda b: fp4_grouped_linear(**a, options=options(b)),
+    return (lambda b: fp4_grouped_linear(**a, kernel=kernel_options(b)),
             lambda: torch._grouped_mm(x, bf16, offs=a["offs"]), moved,
             moved + 2 * bf16.numel() - w.numel() - ws.numel(), rows, e)
 

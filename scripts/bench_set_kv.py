@@ -7,8 +7,9 @@ store_kv_pack, indexer_store) x every backend that can run here x N rows in --ns
   triton  on a GPU; on a CPU only when asked (--backends ...,triton) with TRITON_INTERPRET=1 set,
           since only the interpreter runs there and its timings say nothing about a GPU;
   hip     the HIP C++ extension (ops 2, 3, 6), when it builds here (ROCm or CUDA with a compiler).
-Each backend's implementation is timed directly (hip_kernels.set_kv_ops.implementation): no
-argument checks, so no host-synchronizing location range check. Before timing, the output bytes
+Each backend's dispatcher op is timed directly (hip_kernels.library.op(name, backend), the
+op's overload of that backend): no argument checks, so no host-synchronizing location range
+check. Before timing, the output bytes
 of every backend but torch are compared with the torch reference's on the same inputs.
 Locations are distinct random slots of a pool of `pages` pages (all rows written).
 
@@ -31,15 +32,16 @@ Run: python scripts/bench_set_kv.py [--quick] [--out FILE.json] [--ns 1,8,64,256
 
 from __future__ import annotations
 
-import os
+from dataclasses import asdict
 
 import torch
 
 import bench_common as bc
 from hip_kernels import kv_layout as L
 from hip_kernels.backend import HIP_OPS, triton_usable
-from hip_kernels.platform import fp8_dialect
-from hip_kernels.set_kv_ops import implementation
+from hip_kernels.library import op as dispatcher_op
+from hip_kernels.numerics import DEFAULT_NUMERICS
+from hip_kernels.platform import fp8_dialect, triton_interpreted
 
 OPS = ("fused_k_norm_rope_store", "fused_store_cache", "fused_translate_norm_rope_store",
        "store_kv_pack", "indexer_store")
@@ -75,9 +77,9 @@ def skip_reason(backend: str, asked: bool) -> str:
     return ""
 
 
-def make_inputs(op: str, n: int, page_size: int, pages: int, heads: int, g) -> dict:
-    """Keyword arguments of the op's implementation (set_kv_ref signature, dialect excluded)."""
-    dev, dialect = bc.device(), fp8_dialect()
+def make_inputs(op: str, n: int, page_size: int, pages: int, heads: int, g, dialect) -> dict:
+    """Keyword arguments of the op (set_kv.SCHEMAS; the dialect and numerics excluded)."""
+    dev = bc.device()
     slots = pages * page_size
     loc = (torch.randperm(slots - 1, generator=g)[:n] + 1).to(dev)  # slot 0 is the dummy
     if op == "indexer_store":
@@ -104,7 +106,8 @@ def make_inputs(op: str, n: int, page_size: int, pages: int, heads: int, g) -> d
     full_loc = torch.randperm(4 * slots, generator=g)[:n].to(dev)
     full_to_swa[full_loc] = loc.to(torch.int32)
     return dict(**args, full_loc=full_loc, full_to_swa=full_to_swa, cache=cache,
-                page_size=page_size, swa_loc_out=torch.empty(n, dtype=torch.int32, device=dev))
+                page_size=page_size, swa_loc_out=torch.empty(n, dtype=torch.int32, device=dev),
+                q=None)
 
 
 def moved_bytes(op: str, a: dict) -> int:
@@ -129,21 +132,26 @@ def moved_bytes(op: str, a: dict) -> int:
             + nbytes(a["swa_loc_out"]))
 
 
-def call(backend: str, op: str, a: dict) -> None:
-    fn = getattr(implementation(backend), op)
+NUMERICS = asdict(DEFAULT_NUMERICS)     # the ops' numerics arguments, made once
+
+
+def call(backend: str, op: str, a: dict, dialect) -> None:
+    fn = dispatcher_op(op, backend)
     if op == "store_kv_pack":
         fn(**a)
+    elif op == "indexer_store":
+        fn(**a, dialect=dialect.name, pow2_scale=False)
     else:
-        fn(**a, dialect=fp8_dialect())
+        fn(**a, dialect=dialect.name, **NUMERICS)
 
 
-def outputs_match_torch(backend: str, op: str, a: dict) -> bool:
+def outputs_match_torch(backend: str, op: str, a: dict, dialect) -> bool:
     def fresh():
         return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in a.items()}
 
     want, got = fresh(), fresh()
-    call("torch", op, want)
-    call(backend, op, got)
+    call("torch", op, want, dialect)
+    call(backend, op, got, dialect)
     bc.synchronize()
     return all(torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8))
                for k in ("cache", "q", "swa_loc_out") if want.get(k) is not None)
@@ -151,9 +159,9 @@ def outputs_match_torch(backend: str, op: str, a: dict) -> bool:
 
 def measure(backend: str, op: str, n: int, args) -> dict:
     a = make_inputs(op, n, args.page_size, args.pages, args.heads,
-                    torch.Generator().manual_seed(n))
-    matches = None if backend == "torch" else outputs_match_torch(backend, op, a)
-    t = bc.time_op(lambda: call(backend, op, a), args.warmup, args.reps).summary()
+                    torch.Generator().manual_seed(n), args.dialect)
+    matches = None if backend == "torch" else outputs_match_torch(backend, op, a, args.dialect)
+    t = bc.time_op(lambda: call(backend, op, a, args.dialect), args.warmup, args.reps).summary()
     moved = moved_bytes(op, a)
     peak = peak_hbm_bytes_per_s()
     return {"op": op, "backend": backend, "n": n,
@@ -179,6 +187,7 @@ def parse_args(argv=None):
     args.backends = (args.backends or ",".join(BACKENDS)).split(",")
     bc.check_choices(p, "backends", args.backends, BACKENDS)
     args.asked = asked
+    args.dialect = fp8_dialect()         # the platform's (DSV4_FP8_DIALECT overrides), read once
     args.pages = -(-4 * max(args.ns) // args.page_size) + 1
     return args
 
@@ -187,8 +196,8 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     config = {k: getattr(args, k) for k in ("ns", "backends", "page_size", "pages", "heads",
                                             "warmup", "reps")}
-    config["fp8_dialect"] = fp8_dialect().name
-    config["triton_interpret"] = os.environ.get("TRITON_INTERPRET") == "1"
+    config["fp8_dialect"] = args.dialect.name
+    config["triton_interpret"] = triton_interpreted()
     record = bc.new_record("bench_set_kv", args, config)
     record["peak_hbm_bytes_per_s"] = peak_hbm_bytes_per_s()
     skipped = {b: r for b in args.backends if (r := skip_reason(b, args.asked))}

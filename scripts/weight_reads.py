@@ -28,7 +28,7 @@ aten = torch.ops.aten
 GATHERS = {aten.embedding.default: ("weight", "indices"),
            aten.index_select.default: ("self", "index"),
            aten.index.Tensor: ("self", "indices")}
-ROUTED = torch.ops.dsv4.moe_routed.default    # the routed experts, routed by its indices
+ROUTED = torch.ops.dsv4.moe_routed    # the routed experts (any backend), routed by indices
 
 
 class WeightReads(TorchDispatchMode):
@@ -64,7 +64,7 @@ class WeightReads(TorchDispatchMode):
             counts = torch.diff(offs.long().cpu(), prepend=torch.zeros(1, dtype=torch.long))
             rows[:counts.numel()] |= counts > 0
             return
-        if func is ROUTED and param.dim() == 3:
+        if func.overloadpacket is ROUTED and param.dim() == 3:
             rows[named["indices"].reshape(-1).cpu().unique()] = True
             return
         if t.numel() == 0:

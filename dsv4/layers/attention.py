@@ -69,7 +69,7 @@ class Attention(nn.Module):
 
     def project_q(self, x: torch.Tensor, kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(q [N, H, 512] before its norm, qr [N, q_lora_rank]). kernel: the ops' options."""
+        """(q [N, H, 512] before its norm, qr [N, q_lora_rank]). kernel: the FP8 linears'."""
         qr = self.q_norm(self.wq_a(x, kernel), kernel)
         return self.wq_b(qr, kernel).unflatten(-1, (self.n_heads, self.head_dim)), qr
 
@@ -94,7 +94,7 @@ class Attention(nn.Module):
         """[N, H, 512] -> [N, dim]: inverse RoPE + grouped wo_a (one op,
         ``hip_kernels.grouped_out_proj``), wo_b."""
         t = grouped_out_proj(o, freqs_cis, self.wo_a.weight, self.n_groups, self.rope_dim,
-                             options=kernel)
+                             kernel=kernel)
         partial = self.wo_b(t, kernel, out_dtype=partial_dtype(t.dtype, self.split))
         return self.sum_partial_output(partial).to(t.dtype)
 

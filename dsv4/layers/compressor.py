@@ -58,7 +58,7 @@ class Compressor(nn.Module):
         """This step's rows [N, 2 * coff*d]: kv | score (ape included), fp32 (one op,
         ``hip_kernels.compressor_project``)."""
         return compressor_project(x, self.wkv.weight, self.wgate.weight, self.ape, positions,
-                                  self.ratio, options=kernel)
+                                  self.ratio, kernel=kernel)
 
     def update(self, new: torch.Tensor, state: torch.Tensor, plan, freqs_cis: torch.Tensor,
                dtype: torch.dtype, reference: bool,
@@ -71,4 +71,4 @@ class Compressor(nn.Module):
                                  ratio=self.ratio, head_dim=self.head_dim,
                                  rope_dim=self.rope_dim, overlap=self.overlap,
                                  rotate=self.rotate, reference=reference, dtype=dtype,
-                                 options=kernel)
+                                 kernel=kernel)

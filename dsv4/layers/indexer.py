@@ -51,7 +51,7 @@ class Indexer(nn.Module):
         """Index queries [N, Hi, 128] (RoPE at the token positions, rotated, FP4-simulated: one
         op after wq_b, ``hip_kernels.indexer_query``)."""
         return indexer_query(self.wq_b(qr, kernel), freqs_cis, self.n_local_heads,
-                             self.rope_dim, reference=reference, options=kernel)
+                             self.rope_dim, reference=reference, kernel=kernel)
 
     def head_weights(self, x: torch.Tensor, reference: bool) -> torch.Tensor:
         """Per-head weights [N, Hi]: bf16 (the model dtype) in reference numerics, else fp32."""
@@ -69,9 +69,9 @@ class Indexer(nn.Module):
         scores = self.sum_scores_over_ranks(scores)
         k = min(self.topk, scores.shape[1])
         use_aiter = aiter_ops.topk_uses_aiter(scores, k, numerics=options.numerics,
-                                              options=options.kernel)
+                                              kernel=options.kernel)
         return indexer_topk(scores, visible, k, use_aiter=use_aiter, width=width,
-                            options=options.kernel)
+                            kernel=options.kernel)
 
     def sum_scores_over_ranks(self, scores: torch.Tensor) -> torch.Tensor:
         """Each rank's scores sum its own heads: the ranks add them before the top-k (the

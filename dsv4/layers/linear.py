@@ -21,7 +21,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor, kernel=None,
                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """``F.linear(x, weight)``; kernel (the kernel options ``Fp8Linear`` takes) unused.
+        """``F.linear(x, weight)``; kernel (the KernelOptions ``Fp8Linear`` takes) unused.
         out_dtype float32 with bf16 weights: the products (exact in fp32) summed in fp32 and not
         rounded, a tensor-parallel rank's partial product (the weight is widened per call)."""
         if out_dtype is None or out_dtype == self.weight.dtype:

@@ -24,13 +24,13 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
     return mhc_fused.hc_pre(x, fn, scale, base, None if norm is None else norm.weight,
                             mix_eps=norm_eps, iters=iters, hc_eps=hc_eps,
                             norm_eps=0.0 if norm is None else norm.eps, reference=reference,
-                            options=kernel)
+                            kernel=kernel)
 
 
 def hc_post(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
             kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
     """X'_j = post_j * out + sum_i comb[i, j] * X_i, in out's dtype."""
-    return mhc_fused.hc_post(out, residual, post, comb, options=kernel)
+    return mhc_fused.hc_post(out, residual, post, comb, kernel=kernel)
 
 
 def hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,

@@ -45,12 +45,12 @@ class Gate(nn.Module):
             logits = F.linear(x.float(), self.weight.float())
             routed = aiter_ops.moe_gate(logits, self.bias, self.topk, self.route_scale,
                                         self.score_func, numerics=options.numerics,
-                                        options=options.kernel)
+                                        kernel=options.kernel)
             if routed is not None:
                 return routed
         return moe_route(x, self.weight, self.topk, self.route_scale, self.score_func,
                          bias=self.bias, tid2eid=getattr(self, "tid2eid", None),
-                         input_ids=input_ids if self.hash else None, options=options.kernel)
+                         input_ids=input_ids if self.hash else None, kernel=options.kernel)
 
 
 class Expert(nn.Module):
@@ -170,7 +170,7 @@ class MoE(nn.Module):
         ``hip_kernels.moe_routed`` op; per token the experts are added in ascending expert
         order."""
         return moe_routed(x, weights, indices, **self.experts.mlp_weights(),
-                          swiglu_limit=self.swiglu_limit, options=kernel)
+                          swiglu_limit=self.swiglu_limit, kernel=kernel)
 
     def local_routing(self, weights: torch.Tensor, indices: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,5 +197,5 @@ class MoE(nn.Module):
         if self.shared_experts is None:
             return y.to(x.dtype)
         return moe_shared(y, x, **self.shared_experts.mlp_weights(),
-                          swiglu_limit=self.swiglu_limit, options=options.kernel)
+                          swiglu_limit=self.swiglu_limit, kernel=options.kernel)
 

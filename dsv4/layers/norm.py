@@ -20,4 +20,4 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor,
                 kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
         """weight * x * rsqrt(mean(x^2) + eps) over the last dim, in x's dtype."""
-        return rms_norm(x, self.weight, self.eps, options=kernel)
+        return rms_norm(x, self.weight, self.eps, kernel=kernel)

@@ -50,7 +50,7 @@ class Fp8Linear(nn.Module):
         """bf16 [..., in] -> [..., out] in out_dtype (float32: a tensor-parallel rank's
         partial product, not rounded)."""
         rows = x.reshape(-1, self.in_features).contiguous()
-        y = fp8_linear(rows, self.weight, self.scale, out_dtype=out_dtype, options=kernel)
+        y = fp8_linear(rows, self.weight, self.scale, out_dtype=out_dtype, kernel=kernel)
         return y.view(*x.shape[:-1], self.out_features)
 
 

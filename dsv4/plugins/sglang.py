@@ -28,7 +28,7 @@ import logging
 from hip_kernels import numerics as N
 from hip_kernels import DEFAULT_KERNEL_OPTIONS, KernelOptions, set_kv
 from hip_kernels.backend import resolve
-from hip_kernels.platform import default_device, fp8_dialect
+from hip_kernels.platform import Fp8Dialect, default_device
 
 from .. import envs
 from .host_signatures import class_methods, installed_version
@@ -53,9 +53,10 @@ def _numerics(op: str, dialect_name: str) -> N.StoreNumerics:
     return N.StoreNumerics(amax_floor=1e-8)
 
 
-def sglang_numerics(op: str) -> N.StoreNumerics:
-    """The StoreNumerics that reproduce what SGLang 0.5.23's own ROCm kernel writes for `op`."""
-    return _numerics(op, fp8_dialect().name)
+def sglang_numerics(op: str, dialect: Fp8Dialect) -> N.StoreNumerics:
+    """The StoreNumerics that reproduce what SGLang 0.5.23's own ROCm kernel writes for `op` in
+    the FP8 `dialect`."""
+    return _numerics(op, dialect.name)
 
 
 def _keeps_sglang_setters(pool) -> str | None:
@@ -95,7 +96,8 @@ def fused_store_hook(original, self, layer_id, swa_loc, cache_k, *,
         return original(self, layer_id, swa_loc, cache_k)
     set_kv.fused_store_cache(cache_k, self.get_swa_raw_buffer(layer_id), swa_loc,
                              self.swa_page_size,
-                             numerics=sglang_numerics("fused_store_cache"), options=kernel)
+                             numerics=sglang_numerics("fused_store_cache", kernel.fp8_dialect),
+                             kernel=kernel)
 
 
 def fused_norm_rope_hook(original, self, layer_id, swa_loc, kv, kv_weight, eps, freqs_cis,
@@ -104,8 +106,9 @@ def fused_norm_rope_hook(original, self, layer_id, swa_loc, kv, kv_weight, eps, 
         return original(self, layer_id, swa_loc, kv, kv_weight, eps, freqs_cis, positions, q)
     set_kv.fused_k_norm_rope_store(kv, kv_weight, eps, freqs_cis, positions, swa_loc,
                                    self.get_swa_raw_buffer(layer_id), self.swa_page_size, q=q,
-                                   numerics=sglang_numerics("fused_k_norm_rope_store"),
-                                   options=kernel)
+                                   numerics=sglang_numerics("fused_k_norm_rope_store",
+                                                            kernel.fp8_dialect),
+                                   kernel=kernel)
 
 
 # method -> (the parameters this plugin was written against, hook, our op or None)
@@ -140,11 +143,12 @@ def plan(methods: dict[str, tuple[str, ...]] | None) -> tuple[dict, str | None]:
 
 def describe_plan(chosen: dict) -> str:
     """'method (op on backend), ...' for the activation line and `python -m dsv4 env`."""
-    device, backend = default_device(), KernelOptions.from_env().backend
+    device, kernel = default_device(), KernelOptions.from_env()
     parts = []
     for name, (_, _, op) in chosen.items():
+        hip_ok = op is not None and sglang_numerics(op, kernel.fp8_dialect).is_default
         where = "identity-keyed SWA location cache" if op is None else (
-            f"{op} on {resolve(op, device, backend, hip_ok=sglang_numerics(op).is_default)}")
+            f"{op} on {resolve(op, device, kernel.backend, hip_ok=hip_ok)}")
         parts.append(f"{POOL_CLASS}.{name} -> {where}")
     return "; ".join(parts)
 
@@ -188,4 +192,4 @@ def _register() -> None:
         HookRegistry.register(f"{POOL}.{name}", bound, HookType.AROUND)
     logger.warning("dsv4-rocm: SGLang %s plugin active (fp8 %s): %s; request-window, uniform-FP8 "
                    "and unified-KV pools keep SGLang's setters", installed_version("sglang"),
-                   fp8_dialect().name, describe_plan(chosen))
+                   kernel.fp8_dialect.name, describe_plan(chosen))

@@ -30,7 +30,7 @@ from hip_kernels import numerics as N
 from hip_kernels import DEFAULT_KERNEL_OPTIONS, KernelOptions, set_kv
 from hip_kernels.backend import resolve
 from hip_kernels.platform import backend as platform_backend
-from hip_kernels.platform import default_device, fp8_dialect
+from hip_kernels.platform import Fp8Dialect, default_device
 
 from .. import envs
 from .host_signatures import class_methods, installed_version
@@ -52,9 +52,10 @@ def _numerics(dialect_name: str) -> N.StoreNumerics:
                            q_mode="norm_rope_fp32")
 
 
-def vllm_numerics() -> N.StoreNumerics:
-    """What vLLM 0.33's own insert kernel computes (see the module docstring)."""
-    return _numerics(fp8_dialect().name)
+def vllm_numerics(dialect: Fp8Dialect) -> N.StoreNumerics:
+    """What vLLM 0.33's own insert kernel computes in the FP8 `dialect` (see the module
+    docstring)."""
+    return _numerics(dialect.name)
 
 
 _FREQS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -95,8 +96,8 @@ def insert_hook(original, kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS):
         q_out = q.clone()
         set_kv.fused_k_norm_rope_store(
             kv, None, self.eps, freqs_cis_of(self.rotary_emb.cos_sin_cache), positions, loc,
-            cache.view(cache.shape[0], -1), swa.block_size, q=q_out, numerics=vllm_numerics(),
-            options=kernel)
+            cache.view(cache.shape[0], -1), swa.block_size, q=q_out,
+            numerics=vllm_numerics(kernel.fp8_dialect), kernel=kernel)
         return q_out
 
     insert.__wrapped__ = original
@@ -158,7 +159,8 @@ def _register() -> None:
     original = cls.__dict__[METHOD]
     if getattr(original, "__wrapped__", None) is not None:
         return  # already installed in this process
-    setattr(cls, METHOD, insert_hook(original, KernelOptions.from_env()))
+    kernel = KernelOptions.from_env()      # the flags, read once, at registration
+    setattr(cls, METHOD, insert_hook(original, kernel))
     logger.warning("dsv4-rocm: vLLM %s plugin active (fp8 %s): %s; other SWA cache formats, the "
                    "profile run and padded q heads keep vLLM's insert", installed_version("vllm"),
-                   fp8_dialect().name, _target())
+                   kernel.fp8_dialect.name, _target())

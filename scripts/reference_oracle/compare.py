@@ -211,11 +211,12 @@ def instrument_ours(model, rec: Recorder):
     def decode_w(q, swa, wloc, wok, swa_page, cmp, cloc, cok, cmp_page, *rest, **kw):
         """Decode attention reads the caches in place: record the rows it reads."""
         o = decode_op(q, swa, wloc, wok, swa_page, cmp, cloc, cok, cmp_page, *rest, **kw)
-        from hip_kernels import kv_layout
+        from hip_kernels import DEFAULT_KERNEL_OPTIONS, kv_layout
+        dialect = kw.get("kernel", DEFAULT_KERNEL_OPTIONS).fp8_dialect
         rec.put("q", q[0])
-        rec.put("win.rows", kv_layout.read_kv_rows(swa, wloc[0][wok[0]], swa_page))
+        rec.put("win.rows", kv_layout.read_kv_rows(swa, wloc[0][wok[0]], swa_page, dialect))
         if cmp is not None:
-            rec.put("cmp.rows", kv_layout.read_kv_rows(cmp, cloc[0][cok[0]], cmp_page))
+            rec.put("cmp.rows", kv_layout.read_kv_rows(cmp, cloc[0][cok[0]], cmp_page, dialect))
         else:
             rec.put("cmp.rows", q.new_zeros(0, q.shape[-1], dtype=torch.float32))
         rec.put("attn.o", o[0])
@@ -237,10 +238,11 @@ def instrument_ours(model, rec: Recorder):
 
     def scores_w(q, w, cache, loc, visible, page_size, **kw):
         """The scores op reads the key cache in place: record the keys it reads."""
-        from hip_kernels import kv_layout
+        from hip_kernels import DEFAULT_KERNEL_OPTIONS, kv_layout
         s = scores(q, w, cache, loc, visible, page_size, **kw)
+        dialect = kw.get("kernel", DEFAULT_KERNEL_OPTIONS).fp8_dialect
         rec.put("idx.scores_all", s[0])
-        rec.put("idx.keys_all", kv_layout.read_indexer_rows(cache, loc[0], page_size))
+        rec.put("idx.keys_all", kv_layout.read_indexer_rows(cache, loc[0], page_size, dialect))
         return s
 
     def select_w(self, s, visible, *rest, **kw):

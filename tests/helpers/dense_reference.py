@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from hip_kernels import kv_layout
-from hip_kernels.platform import fp8_dialect
+from hip_kernels.options import DEFAULT_KERNEL_OPTIONS
 
 E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
@@ -77,8 +77,9 @@ def rope_last(x, pos, inv, inverse=False):
 
 
 def fp8_kv_sim(rows):
-    """What the cache returns for rows [N, 512]: quantize + dequantize (bf16-exact)."""
-    nope, rope, scales = kv_layout.quantize_kv_rows(rows, fp8_dialect())
+    """What the cache returns for rows [N, 512]: quantize + dequantize (bf16-exact), in the FP8
+    dialect of the default KernelOptions (the model's, unless a test gives it others)."""
+    nope, rope, scales = kv_layout.quantize_kv_rows(rows, DEFAULT_KERNEL_OPTIONS.fp8_dialect)
     return kv_layout.dequantize_kv_rows(nope, rope, scales).to(torch.bfloat16)
 
 

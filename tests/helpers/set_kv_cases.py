@@ -3,10 +3,13 @@ public ops, plus their torch-reference result. Shared by the CPU harness test an
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import torch
 
 from hip_kernels import kv_layout as L
 from hip_kernels import set_kv_ref as R
+from hip_kernels.numerics import DEFAULT_NUMERICS
 from kv_inputs import bf16_rows, clone_args, gen, kv_cache, locations, norm_rope_args
 
 OPS = ("fused_k_norm_rope_store", "fused_store_cache", "fused_translate_norm_rope_store")
@@ -86,14 +89,14 @@ def on_device(args: dict, device) -> dict:
 
 def reference(op: str, args: dict, dialect) -> dict:
     """The op's outputs (cache, and q or swa_loc_out where present) from the torch reference,
-    computed on CPU copies."""
+    computed on CPU copies with the default numerics."""
     ref = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in clone_args(args).items()}
     fn = getattr(R, op)
     if op != "fused_store_cache":
         ref.setdefault("q", None)
     if op == "fused_translate_norm_rope_store":
         ref.setdefault("swa_loc_out", None)
-    fn(**ref, dialect=dialect)
+    fn(**ref, dialect=dialect.name, **asdict(DEFAULT_NUMERICS))
     return outputs(ref)
 
 

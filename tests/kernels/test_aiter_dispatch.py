@@ -72,8 +72,8 @@ def aiter_env(flag_env, monkeypatch):
 
 
 def policy(kw: dict) -> dict:
-    """use_aiter's keyword arguments for the op keywords kw (numerics, options)."""
-    return dict(aiter=kw["options"].aiter, numerics=kw["numerics"])
+    """use_aiter's keyword arguments for the op keywords kw (numerics, kernel)."""
+    return dict(aiter=kw["kernel"].aiter, numerics=kw["numerics"])
 
 
 def _rocm(monkeypatch):
@@ -99,7 +99,7 @@ def test_off_never_calls_aiter(aiter_env, monkeypatch):
     flag_env, install = aiter_env
     stub = install()
     _rocm(monkeypatch)
-    kw = dict(numerics="fp32", options=KernelOptions(aiter="0"))
+    kw = dict(numerics="fp32", kernel=KernelOptions(aiter="0"))
     s = _scores()
     vals, idx = aiter_ops.topk_rows(s, 5, **kw)
     assert stub.calls == []
@@ -112,7 +112,7 @@ def test_on_calls_aiter_and_sorts_like_torch(aiter_env):
     flag_env, install = aiter_env
     stub = install()
     # 1 ignores the device and numerics conditions
-    kw = dict(numerics="reference", options=KernelOptions(aiter="1"))
+    kw = dict(numerics="reference", kernel=KernelOptions(aiter="1"))
     g = torch.Generator().manual_seed(1)
     s = torch.stack([torch.randperm(40, generator=g) for _ in range(3)]).to(torch.bfloat16)
     vals, idx = aiter_ops.topk_rows(s, 7, **kw)  # distinct values: no ties to order
@@ -125,7 +125,7 @@ def test_on_calls_aiter_and_sorts_like_torch(aiter_env):
 def test_on_keeps_torch_outside_the_kernel_limits(aiter_env):
     flag_env, install = aiter_env
     stub = install()
-    kw = dict(numerics="reference", options=KernelOptions(aiter="1"))
+    kw = dict(numerics="reference", kernel=KernelOptions(aiter="1"))
     s = _scores(n=2, t=3000)
     for x, k in ((s, 0), (s, aiter_ops.TOPK_MAX_K + 1), (s.double(), 4), (s[:0], 4)):
         vals, idx = aiter_ops.topk_rows(x, k, **kw)
@@ -138,7 +138,7 @@ def test_auto_on_cpu_tensor_falls_back(aiter_env, monkeypatch):
     flag_env, install = aiter_env
     stub = install()
     _rocm(monkeypatch)
-    kw = dict(numerics="fp32", options=KernelOptions(aiter="auto"))
+    kw = dict(numerics="fp32", kernel=KernelOptions(aiter="auto"))
     aiter_ops.topk_rows(_scores(), 4, **kw)
     assert stub.calls == []
 
@@ -146,7 +146,7 @@ def test_auto_on_cpu_tensor_falls_back(aiter_env, monkeypatch):
 def test_auto_on_cpu_backend_falls_back_without_importing(aiter_env):
     flag_env, install = aiter_env
     stub = install()
-    kw = dict(numerics="fp32", options=KernelOptions(aiter="auto"))  # DSV4_AITER unset = auto
+    kw = dict(numerics="fp32", kernel=KernelOptions(aiter="auto"))  # DSV4_AITER unset = auto
     if platform.backend() != "cpu":
         pytest.skip("checks a CPU-only process")
     aiter_ops.topk_rows(_scores(), 4, **kw)
@@ -157,9 +157,9 @@ def test_auto_with_reference_numerics_falls_back(aiter_env, monkeypatch):
     flag_env, install = aiter_env
     stub = install()
     _rocm(monkeypatch)
-    kw = dict(numerics="reference", options=KernelOptions(aiter="auto"))  # the defaults
+    kw = dict(numerics="reference", kernel=KernelOptions(aiter="auto"))  # the defaults
     assert not aiter_ops.use_aiter("topk_rows", torch.empty(1, device="meta"), **policy(kw))
-    kw = dict(numerics="reference", options=KernelOptions(aiter="auto"))
+    kw = dict(numerics="reference", kernel=KernelOptions(aiter="auto"))
     aiter_ops.topk_rows(_scores(), 4, **kw)
     assert stub.calls == []
 
@@ -170,7 +170,7 @@ def test_auto_uses_aiter_for_gpu_tensors_in_fp32(aiter_env, monkeypatch):
     flag_env, install = aiter_env
     install()
     _rocm(monkeypatch)
-    kw = dict(numerics="fp32", options=KernelOptions(aiter="auto"))
+    kw = dict(numerics="fp32", kernel=KernelOptions(aiter="auto"))
     fake_gpu = types.SimpleNamespace(device=torch.device("cuda", 0))
     assert aiter_ops.use_aiter("topk_rows", fake_gpu, **policy(kw))
     assert not aiter_ops.use_aiter("topk_rows", torch.empty(1), **policy(kw))
@@ -179,7 +179,7 @@ def test_auto_uses_aiter_for_gpu_tensors_in_fp32(aiter_env, monkeypatch):
 def test_on_without_aiter_raises_naming_the_flag(aiter_env):
     flag_env, install = aiter_env
     install(stub=False)
-    kw = dict(numerics="reference", options=KernelOptions(aiter="1"))
+    kw = dict(numerics="reference", kernel=KernelOptions(aiter="1"))
     with pytest.raises(aiter_ops.AiterUnavailableError, match="DSV4_AITER"):
         aiter_ops.topk_rows(_scores(), 4, **kw)
 
@@ -188,7 +188,7 @@ def test_on_with_an_aiter_lacking_the_op_falls_back(aiter_env):
     flag_env, install = aiter_env
     stub = install()
     del stub.topk_plain
-    kw = dict(numerics="reference", options=KernelOptions(aiter="1"))
+    kw = dict(numerics="reference", kernel=KernelOptions(aiter="1"))
     s = _scores()
     vals, idx = aiter_ops.topk_rows(s, 4, **kw)
     assert torch.equal(idx, s.topk(4, dim=-1).indices)
@@ -205,7 +205,7 @@ def test_an_older_topk_plain_without_the_values_output_counts_as_missing(aiter_e
         raise AssertionError("the old signature must not be called")
 
     stub.topk_plain = old_topk_plain
-    kw = dict(numerics="reference", options=KernelOptions(aiter="1"))
+    kw = dict(numerics="reference", kernel=KernelOptions(aiter="1"))
     s = _scores()
     _, idx = aiter_ops.topk_rows(s, 4, **kw)
     assert torch.equal(idx, s.topk(4, dim=-1).indices)
@@ -215,7 +215,7 @@ def test_an_older_topk_plain_without_the_values_output_counts_as_missing(aiter_e
 def test_probe_logs_one_line_listing_the_ops(aiter_env, caplog):
     flag_env, install = aiter_env
     install()
-    kw = dict(numerics="reference", options=KernelOptions(aiter="1"))
+    kw = dict(numerics="reference", kernel=KernelOptions(aiter="1"))
     with caplog.at_level(logging.INFO, logger="hip_kernels.aiter_ops"):
         for _ in range(3):
             aiter_ops.topk_rows(_scores(), 4, **kw)
@@ -244,7 +244,7 @@ def test_probe_line_when_aiter_is_missing(aiter_env, caplog):
 def test_fallback_is_torch_topk(aiter_env, dtype, k):
     flag_env, install = aiter_env
     install(stub=False)
-    kw = dict(numerics="reference", options=KernelOptions(aiter="auto"))
+    kw = dict(numerics="reference", kernel=KernelOptions(aiter="auto"))
     s = _scores(n=4, t=40, seed=k, dtype=dtype)
     s[1, ::3] = float("-inf")
     s[2, :] = s[2, 0]  # every entry tied
@@ -258,7 +258,7 @@ def test_fallback_is_torch_topk(aiter_env, dtype, k):
     (torch.zeros(2, 3), 4, "k"), (torch.zeros(2, 3), -1, "k"), (torch.zeros(2, 3), 1.0, "k"),
 ])
 def test_bad_input_names_the_argument(flag_env, scores, k, name):
-    kw = dict(numerics="reference", options=KernelOptions(aiter="0"))
+    kw = dict(numerics="reference", kernel=KernelOptions(aiter="0"))
     with pytest.raises(ValueError, match=name):
         aiter_ops.topk_rows(scores, k, **kw)
 
@@ -275,8 +275,8 @@ def test_unknown_op_names_the_argument(flag_env):
 def test_a_bad_policy_names_the_argument(bad, match):
     with pytest.raises(ValueError, match=match):
         aiter_ops.use_aiter("topk_rows", torch.zeros(1), **bad)
-    with pytest.raises(TypeError, match="options must be a hip_kernels.KernelOptions"):
-        aiter_ops.topk_rows(_scores(), 4, options="1")
+    with pytest.raises(TypeError, match="kernel must be a hip_kernels.KernelOptions"):
+        aiter_ops.topk_rows(_scores(), 4, kernel="1")
 
 
 def test_indexer_select_dispatches(aiter_env):
@@ -318,7 +318,7 @@ def test_aiter_ops_match_torch_on_rocm(flag_env, dtype, n, t, k):
     if reason:
         pytest.skip(reason)
     aiter_ops.probe.cache_clear()
-    kw = dict(numerics="reference", options=KernelOptions(aiter="1"))
+    kw = dict(numerics="reference", kernel=KernelOptions(aiter="1"))
     assert aiter_ops.probe().has("topk_rows")
     if dtype == torch.bfloat16:  # integers up to 256 are exact in bf16: keep the rows distinct
         t, k = min(t, 256), min(k, t, 256)
@@ -331,9 +331,9 @@ def test_aiter_ops_match_torch_on_rocm(flag_env, dtype, n, t, k):
     finite = ref.values != float("-inf")
     assert torch.equal(idx[finite], ref.indices[finite])
     assert idx.dtype == torch.int64
-    kw = dict(numerics="fp32", options=KernelOptions(aiter="auto"))
+    kw = dict(numerics="fp32", kernel=KernelOptions(aiter="auto"))
     assert aiter_ops.use_aiter("topk_rows", s, **policy(kw))
-    kw = dict(numerics="reference", options=KernelOptions(aiter="auto"))
+    kw = dict(numerics="reference", kernel=KernelOptions(aiter="auto"))
     assert not aiter_ops.use_aiter("topk_rows", s, **policy(kw))
     aiter_ops.probe.cache_clear()
 
@@ -353,11 +353,11 @@ def test_moe_gate_on_aiter_routes_as_the_torch_path(aiter_env, score_func):
     stub = install()
     g = torch.Generator().manual_seed(5)
     logits, bias = torch.randn(6, 16, generator=g), torch.randn(16, generator=g) * 0.1
-    kw = dict(numerics="reference", options=KernelOptions(aiter="0"))
+    kw = dict(numerics="reference", kernel=KernelOptions(aiter="0"))
     assert aiter_ops.moe_gate(logits, bias, 4, 2.5, score_func, **kw) is None   # torch's to run
     want = biased_gate(logits, bias, 4, 2.5, score_func)
     assert stub.calls == []
-    kw = dict(numerics="reference", options=KernelOptions(aiter="1"))
+    kw = dict(numerics="reference", kernel=KernelOptions(aiter="1"))
     got = aiter_ops.moe_gate(logits, bias, 4, 2.5, score_func, **kw)
     assert stub.calls == [("topk_gating", score_func, score_func != "softmax", 2.5)]
     (gw, gi), (ww, wi) = _by_expert(*got), _by_expert(*want)
@@ -403,7 +403,7 @@ def test_moe_gate_takes_k_from_one_to_the_expert_count(aiter_env):
     install()
     g = torch.Generator().manual_seed(3)
     logits, bias = torch.randn(4, 8, generator=g), torch.randn(8, generator=g) * 0.1
-    kw = dict(numerics="reference", options=KernelOptions(aiter="1"))
+    kw = dict(numerics="reference", kernel=KernelOptions(aiter="1"))
     for k in (1, 8):
         (gw, gi), (ww, wi) = (_by_expert(*aiter_ops.moe_gate(logits, bias, k, 1.5, "sigmoid", **kw)),
                               _by_expert(*biased_gate(logits, bias, k, 1.5, "sigmoid")))
@@ -439,9 +439,9 @@ def test_aiter_moe_gate_matches_torch_on_rocm(flag_env, score_func):
     g = torch.Generator(device="cuda").manual_seed(3)
     logits = torch.randn(37, 256, generator=g, device="cuda")
     bias = torch.randn(256, generator=g, device="cuda") * 0.01
-    kw = dict(numerics="reference", options=KernelOptions(aiter="0"))
+    kw = dict(numerics="reference", kernel=KernelOptions(aiter="0"))
     want = biased_gate(logits, bias, 6, 2.5, score_func)
-    kw = dict(numerics="reference", options=KernelOptions(aiter="1"))
+    kw = dict(numerics="reference", kernel=KernelOptions(aiter="1"))
     assert aiter_ops.probe().has("moe_gate")
     (gw, gi), (ww, wi) = _by_expert(*aiter_ops.moe_gate(logits, bias, 6, 2.5, score_func, **kw)), \
         _by_expert(*want)

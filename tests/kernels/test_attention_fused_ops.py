@@ -32,7 +32,7 @@ def test_indexer_query_is_the_unfused_chain(reference):
     n, h, d, rope = 5, 4, 128, 64
     q, f = randn(n, h * d, seed=1, scale=2), freqs(n, rope, 2)
     want = fp4_quant_dequant(hadamard_rotate(rope_tail(q.view(n, h, d), f, rope), reference))
-    got = indexer_query(q, f, h, rope, reference=reference, options=TORCH)
+    got = indexer_query(q, f, h, rope, reference=reference, kernel=TORCH)
     assert got.shape == (n, h, d) and torch.equal(got, want)
     assert op_names(lambda: indexer_query(q, f, h, rope, reference=reference)) == [
         "dsv4::indexer_query"]
@@ -58,7 +58,7 @@ def test_grouped_out_proj_is_the_unfused_chain():
     w = randn(g * r, h * d // g, seed=5, scale=0.1)
     x = rope_tail(o, f, rope, inverse=True).flatten(1).unflatten(-1, (g, -1))
     want = torch.einsum("ngd,grd->ngr", x, w.view(g, r, -1)).flatten(1)
-    got = grouped_out_proj(o, f, w, g, rope, options=TORCH)
+    got = grouped_out_proj(o, f, w, g, rope, kernel=TORCH)
     assert got.dtype == o.dtype and torch.equal(got, want)
     assert op_names(lambda: grouped_out_proj(o, f, w, g, rope)) == ["dsv4::grouped_out_proj"]
 

@@ -16,7 +16,7 @@ from hip_kernels.indexer_query import indexer_query, indexer_query_ref  # noqa: 
 from hip_kernels.kv_layout import pow2_ceil_exponent  # noqa: E402
 from hip_kernels.platform import default_device  # noqa: E402
 from hip_kernels.rotary import rope_tail  # noqa: E402
-from op_recorder import recorded_calls  # noqa: E402
+from op_recorder import backends  # noqa: E402
 from triton_interp_shim import interpreter_shim  # noqa: E402,F401 (autouse: bf16 rounds as GPUs)
 
 DEV = default_device()   # the GPU where there is one (Triton compiled), else the CPU (interpreted)
@@ -44,7 +44,7 @@ def test_indexer_query_gives_the_reference_bits_in_reference_numerics(d, heads, 
     bits: the same operations in the same order as the reference, so the same bits."""
     n = 3
     q, f = randn(n, heads * d, seed=d, dtype=dtype, scale=2), freqs(n, seed=heads)
-    got = indexer_query(q, f, heads, ROPE, reference=True, options=TRITON)
+    got = indexer_query(q, f, heads, ROPE, reference=True, kernel=TRITON)
     assert got.shape == (n, heads, d) and got.dtype == dtype
     assert torch.equal(got, indexer_query_ref(q, f, heads, ROPE, True))
 
@@ -64,7 +64,7 @@ def test_indexer_query_fp32_numerics_within_one_fp4_step():
     (measured: none, here)."""
     n, heads, d = 3, 4, 128
     q, f = randn(n, heads * d, seed=7, dtype=torch.bfloat16, scale=2), freqs(n, seed=8)
-    got = indexer_query(q, f, heads, ROPE, reference=False, options=TRITON)
+    got = indexer_query(q, f, heads, ROPE, reference=False, kernel=TRITON)
     want = indexer_query_ref(q, f, heads, ROPE, False)
     diff = (got.float() - want.float()).abs()
     assert bool((diff <= 4 * fp4_block_scale(want)).all())
@@ -101,7 +101,7 @@ def test_fp4_rounding_is_exact_at_ties_and_power_of_two_edges(reference):
     assert torch.equal(before_fp4, y.to(DEV))
     want = fp4_quant_dequant(before_fp4)
     assert not torch.equal(want, before_fp4)
-    got = indexer_query(q, f, heads, ROPE, reference=reference, options=TRITON)
+    got = indexer_query(q, f, heads, ROPE, reference=reference, kernel=TRITON)
     assert torch.equal(got, want)
 
 
@@ -114,7 +114,7 @@ def test_grouped_out_proj_within_one_rounding_of_the_reference(d, dtype):
     n, heads, groups, rank = 3, 4, 2, 24      # rank 24: a masked output block
     o, f = randn(n, heads, d, seed=d, dtype=dtype), freqs(n, seed=3)
     w = randn(groups * rank, heads * d // groups, seed=5, dtype=dtype, scale=(heads * d) ** -0.5)
-    got = grouped_out_proj(o, f, w, groups, ROPE, options=TRITON)
+    got = grouped_out_proj(o, f, w, groups, ROPE, kernel=TRITON)
     want = grouped_out_proj_ref(o, f, w, groups, ROPE)
     assert got.shape == want.shape and got.dtype == dtype
     tol = 2.0 ** -7 if dtype == torch.bfloat16 else 1e-5
@@ -127,13 +127,13 @@ def test_grouped_out_proj_inverse_rope_gives_the_reference_bits():
     n, heads, d, groups = 3, 2, 128, 2
     o, f = randn(n, heads, d, seed=9, dtype=torch.bfloat16, scale=3), freqs(n, seed=10)
     eye = torch.eye(heads * d // groups, dtype=torch.bfloat16, device=DEV).repeat(groups, 1)
-    got = grouped_out_proj(o, f, eye, groups, ROPE, options=TRITON)
+    got = grouped_out_proj(o, f, eye, groups, ROPE, kernel=TRITON)
     assert torch.equal(got, rope_tail(o, f, ROPE, inverse=True).flatten(1))
 
 
 def dispatched_backend(call):
-    (args,) = [a for name, a in recorded_calls(call) if name.startswith("dsv4::")]
-    return args[-1]
+    (backend,) = backends(call)
+    return backend
 
 
 def test_the_wrappers_resolve_triton_when_asked_and_torch_on_a_cpu_by_default():
@@ -141,15 +141,15 @@ def test_the_wrappers_resolve_triton_when_asked_and_torch_on_a_cpu_by_default():
         pytest.skip("the CPU backend choice (the interpreter)")
     q, f = randn(2, 2 * 64, seed=1, dtype=torch.bfloat16), freqs(2, seed=2)
     assert dispatched_backend(lambda: indexer_query(q, f, 2, ROPE, reference=True,
-                                                    options=TRITON)) == "triton"
+                                                    kernel=TRITON)) == "triton"
     assert dispatched_backend(lambda: indexer_query(q, f, 2, ROPE, reference=True)) == "torch"
     o, w = randn(2, 2, 64, seed=3, dtype=torch.bfloat16), randn(32, 64, seed=4,
                                                               dtype=torch.bfloat16)
     assert dispatched_backend(lambda: grouped_out_proj(o, f, w, 2, ROPE,
-                                                       options=TRITON)) == "triton"
+                                                       kernel=TRITON)) == "triton"
     assert dispatched_backend(lambda: grouped_out_proj(o, f, w, 2, ROPE)) == "torch"
     # an odd head dim: the kernel's pairs would straddle the RoPE tail; the reference runs it
     odd, w_odd = randn(2, 2, 65, seed=5, dtype=torch.bfloat16), randn(32, 65, seed=6,
                                                                      dtype=torch.bfloat16)
     assert dispatched_backend(lambda: grouped_out_proj(odd, f, w_odd, 2, ROPE,
-                                                       options=TRITON)) == "torch"
+                                                       kernel=TRITON)) == "torch"

@@ -10,7 +10,7 @@ pytest.importorskip("triton")
 from hip_kernels.compressor_update import compressor_project, compressor_update  # noqa: E402
 from hip_kernels.options import KernelOptions  # noqa: E402
 from hip_kernels.platform import default_device  # noqa: E402
-from op_recorder import recorded_calls  # noqa: E402
+from op_recorder import backends  # noqa: E402
 from triton_interp_shim import interpreter_shim  # noqa: E402,F401 (autouse fixture)
 
 DEV = default_device()   # the GPU where there is one (Triton compiled), else the CPU (interpreted)
@@ -40,11 +40,11 @@ def tensors(n, dim, width, ratio, ring, table_len, rope, d, seed):
     return [v.to(DEV) for v in (x, wkv, wgate, ape, state, table, w)]
 
 
-def ring_after(plan, state, new, options, **kw):
+def ring_after(plan, state, new, kernel, **kw):
     """(compressed rows, the ring after the op) on a copy of state; the scratch row (the ring's
     last, where every -1 write lands in some order) is dropped."""
     ring = state.clone()
-    out = compressor_update(new, ring, plan, kw.pop("table"), kw.pop("w"), EPS, options=options,
+    out = compressor_update(new, ring, plan, kw.pop("table"), kw.pop("w"), EPS, kernel=kernel,
                             **kw)
     return out, ring[:-1]
 
@@ -129,8 +129,8 @@ def test_triton_projection_matches_the_reference():
     n, dim, width, ratio = 5, 96, 80, 4
     x, wkv, wgate, ape, *_ = tensors(n, dim, width, ratio, 2, 2, 2, 2, seed=3)
     pos = torch.tensor([0, 5, 6, 7, 130], device=DEV)
-    want = compressor_project(x, wkv, wgate, ape, pos, ratio, options=TORCH)
-    got = compressor_project(x, wkv, wgate, ape, pos, ratio, options=TRITON)
+    want = compressor_project(x, wkv, wgate, ape, pos, ratio, kernel=TORCH)
+    got = compressor_project(x, wkv, wgate, ape, pos, ratio, kernel=TRITON)
     assert got.dtype == torch.float32 and got.shape == (n, 2 * width)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -141,11 +141,11 @@ def test_triton_projection_is_fp32_under_a_bf16_default_dtype():
     n, dim, width, ratio = 3, 64, 32, 4
     x, wkv, wgate, ape, *_ = tensors(n, dim, width, ratio, 2, 2, 2, 2, seed=4)
     pos = torch.arange(n, device=DEV)
-    want = compressor_project(x, wkv, wgate, ape, pos, ratio, options=TORCH)
+    want = compressor_project(x, wkv, wgate, ape, pos, ratio, kernel=TORCH)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
-        got = compressor_project(x, wkv, wgate, ape, pos, ratio, options=TRITON)
+        got = compressor_project(x, wkv, wgate, ape, pos, ratio, kernel=TRITON)
     finally:
         torch.set_default_dtype(default)
     assert got.dtype == torch.float32
@@ -161,13 +161,13 @@ def test_bad_arguments_raise_naming_them():
     kw = update_kw(d, ratio, 16, True, True, True, table, w)
     with pytest.raises(ValueError, match="new must have 2 \\* 1 \\* head_dim"):
         ring_after(p, state, new, TORCH, **{**kw, "overlap": False})
-    with pytest.raises(TypeError, match="options must be a hip_kernels.KernelOptions"):
+    with pytest.raises(TypeError, match="kernel must be a hip_kernels.KernelOptions"):
         ring_after(p, state, new, "triton", **kw)
     # the projection's fp32 rows, not a lower-precision copy of them
     with pytest.raises(TypeError, match="new must have dtype torch.float32"):
         ring_after(Plan(8, **NO_WINDOW), state, new.to(torch.bfloat16), TORCH, **kw)
-    with pytest.raises(TypeError, match="options must be a hip_kernels.KernelOptions"):
-        compressor_project(x, wkv, wgate, ape, torch.arange(2, device=DEV), ratio, options=None)
+    with pytest.raises(TypeError, match="kernel must be a hip_kernels.KernelOptions"):
+        compressor_project(x, wkv, wgate, ape, torch.arange(2, device=DEV), ratio, kernel=None)
 
 
 @pytest.mark.parametrize("d,want", [(64, "triton"), (48, "torch")])
@@ -177,5 +177,5 @@ def test_the_update_runs_triton_where_the_kernel_covers_the_shape(d, want):
     x, wkv, wgate, ape, state, table, w = tensors(4, 64, d, 16, 24, 32, 16, d, seed=2)
     new = compressor_project(x, wkv, wgate, ape, torch.arange(4, device=DEV), 16)
     kw = update_kw(d, 16, 16, False, False, True, table, w)
-    calls = recorded_calls(lambda: ring_after(Plan(16, **NO_WINDOW), state, new, TRITON, **kw))
-    assert [args[-1] for name, args in calls if name == "dsv4::compressor_update"] == [want]
+    assert backends(lambda: ring_after(Plan(16, **NO_WINDOW), state, new, TRITON, **kw),
+                    "dsv4::compressor_update") == [want]

@@ -18,19 +18,18 @@ pytest.importorskip("triton")
 
 from hip_kernels import KernelOptions, kv_layout as L, set_kv  # noqa: E402
 from hip_kernels import decode_attention as A  # noqa: E402
-from hip_kernels.platform import default_device  # noqa: E402
+from hip_kernels.platform import DIALECTS, default_device  # noqa: E402
 from op_recorder import op_names  # noqa: E402
 from triton_interp_shim import interpreter_shim  # noqa: E402,F401 (autouse fixture)
 
 DEV = default_device()
-DIALECT = "fnuz" if DEV.type == "cpu" or torch.version.hip else "ocp"
+# Every cache of a test is written and read in DIALECT.
+DIALECT = DIALECTS["fnuz" if DEV.type == "cpu" or torch.version.hip else "ocp"]
 SWA_PAGE, CMP_PAGE = 16, 4
 
 
-@pytest.fixture(autouse=True)
-def dialect(flag_env):
-    """Every cache of a test is written and read in DIALECT."""
-    flag_env(DSV4_FP8_DIALECT=DIALECT)
+def kernel_options(backend: str = "auto") -> KernelOptions:
+    return KernelOptions(backend=backend, fp8_dialect=DIALECT)
 
 
 def gen(seed):
@@ -42,7 +41,8 @@ def filled_cache(g, slots, page_size):
     rows = torch.randn(slots, L.HEAD_DIM, generator=g) * 10 ** (
         torch.rand(slots, 1, generator=g) - 0.5)
     cache = torch.zeros(slots // page_size, L.page_bytes(page_size), dtype=torch.uint8)
-    set_kv.fused_store_cache(rows.bfloat16(), cache, torch.arange(slots), page_size)
+    set_kv.fused_store_cache(rows.bfloat16(), cache, torch.arange(slots), page_size,
+                             kernel=kernel_options())
     return cache
 
 
@@ -75,7 +75,7 @@ def both_backends(args, reference):
     out = {}
     for backend in ("torch", "triton"):
         out[backend] = A.sparse_decode_attention(**on(args, DEV), reference=reference,
-                                                 options=KernelOptions(backend=backend)).cpu()
+                                                 kernel=kernel_options(backend)).cpu()
     return out["torch"], out["triton"]
 
 
@@ -100,9 +100,9 @@ def test_triton_matches_torch(reference, n, heads, window, comp):
 def test_the_numerics_modes_differ():
     """The reference rounding is really applied (the modes are not the same computation)."""
     args = case(5, 2, 16, 128, 70)
-    triton = KernelOptions(backend="triton")
-    ref = A.sparse_decode_attention(**on(args, DEV), reference=True, options=triton).cpu()
-    f32 = A.sparse_decode_attention(**on(args, DEV), reference=False, options=triton).cpu()
+    triton = kernel_options("triton")
+    ref = A.sparse_decode_attention(**on(args, DEV), reference=True, kernel=triton).cpu()
+    f32 = A.sparse_decode_attention(**on(args, DEV), reference=False, kernel=triton).cpu()
     assert not torch.equal(ref, f32)
 
 
@@ -138,20 +138,21 @@ def test_the_torch_path_is_the_models_math():
     args = case(3, 3, cfg.n_heads, 128, 9)
     with torch.no_grad():
         attn.attn_sink.copy_(args["sink"])
-    kv = [L.read_kv_rows(args["swa_cache"], args["window_loc"], SWA_PAGE),
-          L.read_kv_rows(args["comp_cache"], args["comp_loc"], CMP_PAGE)]
+    kv = [L.read_kv_rows(args["swa_cache"], args["window_loc"], SWA_PAGE, DIALECT),
+          L.read_kv_rows(args["comp_cache"], args["comp_loc"], CMP_PAGE, DIALECT)]
     valid = [args["window_valid"], args["comp_valid"]]
     for mode in ("fp32", "reference"):
         want = attn.sparse_attention(args["q"], kv, valid, mode == "reference")
         got = A.sparse_decode_attention(**dict(args, scale=attn.softmax_scale),
                                         reference=mode == "reference",
-                                        options=KernelOptions(backend="torch"))
+                                        kernel=kernel_options("torch"))
         assert torch.equal(got, want), mode
 
 
-def test_one_dispatcher_op_per_call(flag_env):
+def test_one_dispatcher_op_per_call():
     args = case(2, 2, 4, 8, 5)
-    assert op_names(lambda: A.sparse_decode_attention(**args, reference=True)) == [
+    assert op_names(lambda: A.sparse_decode_attention(**args, reference=True,
+                                                      kernel=kernel_options())) == [
         "dsv4::sparse_decode_attention"]
 
 
@@ -197,8 +198,8 @@ def test_bad_arguments_are_named(change, error, match):
         A.sparse_decode_attention(**args, reference=False)
     with pytest.raises(TypeError, match="reference must be a bool"):
         A.sparse_decode_attention(**case(2, 2, 4, 8, 5), reference=1)
-    with pytest.raises(TypeError, match="options must be a hip_kernels.KernelOptions, got str"):
-        A.sparse_decode_attention(**case(2, 2, 4, 8, 5), reference=False, options="triton")
+    with pytest.raises(TypeError, match="kernel must be a hip_kernels.KernelOptions, got str"):
+        A.sparse_decode_attention(**case(2, 2, 4, 8, 5), reference=False, kernel="triton")
 
 
 def test_a_narrow_window_puts_the_compressed_rows_after_its_width():

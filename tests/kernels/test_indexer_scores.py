@@ -22,8 +22,10 @@ from hip_kernels import KernelOptions, set_kv  # noqa: E402
 from hip_kernels import kv_layout as L  # noqa: E402
 from hip_kernels.indexer_scores import indexer_scores, indexer_scores_ref  # noqa: E402
 from hip_kernels.backend import BackendUnavailable  # noqa: E402
+from hip_kernels import platform as P  # noqa: E402
 from hip_kernels.platform import default_device  # noqa: E402
-from op_recorder import recorded_calls  # noqa: E402
+from hip_kernels.library import op  # noqa: E402
+from op_recorder import backends, recorded_calls  # noqa: E402
 from triton_interp_shim import interpreter_shim  # noqa: E402,F401 (autouse fixture)
 
 PAGE = 16
@@ -37,13 +39,18 @@ def gen(seed):
     return torch.Generator().manual_seed(seed)
 
 
-def filled_cache(g, pow2_scale=True, slots=SLOTS):
+def kernel_for(dialect: str, backend: str = "auto") -> KernelOptions:
+    """The KernelOptions of a cache in `dialect` ("fnuz" or "ocp")."""
+    return KernelOptions(backend=backend, fp8_dialect=P.DIALECTS[dialect])
+
+
+def filled_cache(g, pow2_scale=True, slots=SLOTS, dialect="ocp"):
     """An indexer cache with a stored key in every slot (keys of mixed magnitude)."""
     k = torch.randn(slots, L.INDEX_DIM, generator=g) * 10 ** (torch.rand(slots, 1, generator=g)
                                                               - 1)
     cache = torch.zeros(slots // PAGE, L.indexer_page_bytes(PAGE), dtype=torch.uint8)
     set_kv.indexer_store(k.to(torch.bfloat16), cache, torch.arange(slots), PAGE,
-                         pow2_scale=pow2_scale)
+                         pow2_scale=pow2_scale, kernel=kernel_for(dialect))
     return cache
 
 
@@ -57,27 +64,26 @@ def queries(g, n, heads, c, q_dtype=torch.bfloat16, w_dtype=torch.bfloat16, slot
     return q, w, loc, valid
 
 
-def both_backends(flag_env, dialect, *args):
+def both_backends(dialect, *args):
     """(torch, triton) scores, on CPU, of the same arguments run on the test device (the GPU
     where there is one: Triton compiled for it; else the CPU: Triton interpreted)."""
     if DEV.type == "cuda" and dialect == "fnuz" and torch.version.hip is None:
         pytest.skip("fnuz fp8 is AMD's dialect: Triton has no such type on an NVIDIA GPU")
     args = tuple(a.to(DEV) if isinstance(a, torch.Tensor) else a for a in args)
     out = {}
-    flag_env(DSV4_FP8_DIALECT=dialect)
     for backend in ("torch", "triton"):
-        used, scores = run_recorded(*args, options=KernelOptions(backend=backend))
+        used, scores = run_recorded(*args, kernel=kernel_for(dialect, backend))
         assert used == backend
         out[backend] = scores.cpu()
     return out["torch"], out["triton"]
 
 
 def run_recorded(*args, **kwargs) -> tuple:
-    """(the backend argument of the op, the scores) of indexer_scores(*args, **kwargs)."""
+    """(the backend that ran the op, the scores) of indexer_scores(*args, **kwargs)."""
     out = []
-    calls = recorded_calls(lambda: out.append(indexer_scores(*args, **kwargs)))
-    (op_args,) = [a for name, a in calls if name == "dsv4::indexer_scores"]
-    return op_args[-2], out[0]
+    (backend,) = backends(lambda: out.append(indexer_scores(*args, **kwargs)),
+                          "dsv4::indexer_scores")
+    return backend, out[0]
 
 
 def bf16_ulp(x):
@@ -101,58 +107,55 @@ def assert_bf16_close(got, want, q, w, keys, valid):
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads", [8, 64])
 @pytest.mark.parametrize("n, c", [(1, 1), (3, 7), (2, 200)])
-def test_triton_matches_torch(flag_env, dialect, w_dtype, heads, n, c):
+def test_triton_matches_torch(dialect, w_dtype, heads, n, c):
     g = gen(DIALECTS.index(dialect) * 1000 + heads * 10 + c + (w_dtype == torch.bfloat16))
-    flag_env(DSV4_FP8_DIALECT=dialect)
-    cache = filled_cache(g)
+    cache = filled_cache(g, dialect=dialect)
     q_dtype = torch.float32 if c == 7 else torch.bfloat16
     q, w, loc, valid = queries(g, n, heads, c, q_dtype, w_dtype)
-    want, got = both_backends(flag_env, dialect, q, w, cache, loc, valid, PAGE)
+    want, got = both_backends(dialect, q, w, cache, loc, valid, PAGE)
     assert got.dtype == want.dtype == w_dtype and got.shape == want.shape == (n, c)
     assert bool(torch.isneginf(want[~valid]).all()) and bool(torch.isneginf(got[~valid]).all())
     assert bool(torch.isfinite(want[valid]).all())
     if w_dtype == torch.float32:
         torch.testing.assert_close(got[valid], want[valid], rtol=1e-5, atol=1e-6)
     else:
-        keys = L.read_indexer_rows(cache, loc, PAGE, L.fp8_dialect())
+        keys = L.read_indexer_rows(cache, loc, PAGE, P.DIALECTS[dialect])
         assert_bf16_close(got, want, q, w, keys, valid)
 
 
-def test_bf16_rounding_differences_stay_within_the_tolerance(flag_env):
+def test_bf16_rounding_differences_stay_within_the_tolerance():
     """fp32 queries and amax / FP8_MAX scales (more mantissa bits than the model's keys) make
     q.k sums that are not exact in fp32: the tolerance still holds."""
     g = gen(7)
-    flag_env(DSV4_FP8_DIALECT="ocp")
     cache = filled_cache(g, pow2_scale=False)
     q, w, loc, valid = queries(g, 4, 64, 200, q_dtype=torch.float32)
-    want, got = both_backends(flag_env, "ocp", q, w, cache, loc, valid, PAGE)
-    keys = L.read_indexer_rows(cache, loc, PAGE, L.fp8_dialect())
+    want, got = both_backends("ocp", q, w, cache, loc, valid, PAGE)
+    keys = L.read_indexer_rows(cache, loc, PAGE, P.OCP)
     assert_bf16_close(got, want, q, w, keys, valid)
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
-def test_a_poisoned_key_scores_nan_where_valid_and_never_leaks(flag_env, w_dtype):
+def test_a_poisoned_key_scores_nan_where_valid_and_never_leaks(w_dtype):
     g = gen(11)
-    flag_env(DSV4_FP8_DIALECT="fnuz")
-    cache = filled_cache(g)
+    cache = filled_cache(g, dialect="fnuz")
     bad = torch.full((1, L.INDEX_DIM), 1.0)
     bad[0, 5] = float("nan")
-    set_kv.indexer_store(bad.bfloat16(), cache, torch.tensor([37]), PAGE, pow2_scale=True)
+    set_kv.indexer_store(bad.bfloat16(), cache, torch.tensor([37]), PAGE, pow2_scale=True,
+                         kernel=kernel_for("fnuz"))
     q, w, loc, valid = queries(g, 2, 8, 9, w_dtype=w_dtype)
     loc[:, :3] = 37
     valid[0, :3] = False         # query 0: the poisoned slot at invalid rows
     valid[1, :3] = True          # query 1: the same slot at valid rows
-    for out in both_backends(flag_env, "fnuz", q, w, cache, loc, valid, PAGE):
+    for out in both_backends("fnuz", q, w, cache, loc, valid, PAGE):
         assert bool(torch.isneginf(out[0, :3]).all())
         assert bool(torch.isnan(out[1, :3]).all())
         assert bool(torch.isfinite(out[valid & (loc != 37)]).all())
 
 
-def test_locations_past_4gib(flag_env):
+def test_locations_past_4gib():
     """Keys stored past 2^32 bytes of a cache that costs no memory (an anonymous mmap: only the
     pages written are backed) read back through int64 offsets."""
-    flag_env(DSV4_FP8_DIALECT="ocp")
     page_bytes = L.indexer_page_bytes(PAGE)
     pages = 2 ** 32 // page_bytes + 4
     try:
@@ -166,7 +169,7 @@ def test_locations_past_4gib(flag_env):
                          pow2_scale=True)
     q, w, _, _ = queries(g, 1, 8, 3, w_dtype=torch.float32)
     loc, valid = far[None], torch.ones(1, 3, dtype=torch.bool)
-    want, got = both_backends(flag_env, "ocp", q, w, cache, loc, valid, PAGE)
+    want, got = both_backends("ocp", q, w, cache, loc, valid, PAGE)
     assert bool((want != 0).all())
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     del cache
@@ -205,8 +208,8 @@ def test_one_dispatcher_op_per_call(checks):
     g = gen(19)
     cache = filled_cache(g)
     args = (*queries(g, 2, 8, 5)[:2], cache, *queries(g, 2, 8, 5)[2:], PAGE)
-    options = KernelOptions(value_checks=checks == "1")
-    seen = [name for name, _ in recorded_calls(lambda: indexer_scores(*args, options=options))]
+    kernel = KernelOptions(value_checks=checks == "1")
+    seen = [name for name, _ in recorded_calls(lambda: indexer_scores(*args, kernel=kernel))]
     assert seen.count("dsv4::indexer_scores") == 1
     aten = [s for s in seen if s.startswith("aten::")]
     assert not aten if checks == "0" else len(aten) < 6   # the location range check
@@ -221,7 +224,7 @@ def test_a_valid_location_outside_the_cache():
         indexer_scores(q, w, cache, loc, valid, PAGE)
     unchecked = KernelOptions(backend="triton", value_checks=False)
     q, w, cache, loc, valid = (t.to(DEV) for t in (q, w, cache, loc, valid))
-    out = indexer_scores(q, w, cache, loc, valid, PAGE, options=unchecked).cpu()  # no read past
+    out = indexer_scores(q, w, cache, loc, valid, PAGE, kernel=unchecked).cpu()  # no read past
     # the cache
     assert bool(out[0, 1].isnan())
 
@@ -234,7 +237,7 @@ def test_the_backend_follows_the_options(monkeypatch):
 
     def backend(name=None):
         return run_recorded(*args, **({} if name is None else
-                                      {"options": KernelOptions(backend=name)}))[0]
+                                      {"kernel": KernelOptions(backend=name)}))[0]
 
     assert backend() == "torch"                                 # auto: the reference on a CPU
     assert backend("hip") == "triton"                           # no HIP version
@@ -265,7 +268,7 @@ CACHE = torch.zeros(2, L.indexer_page_bytes(PAGE), dtype=torch.uint8)
     (dict(valid=torch.ones(2, 4, dtype=torch.bool)), ValueError, r"valid must have shape \[2, 5\]"),
     (dict(page_size=0), ValueError, "page_size must be an int >= 1"),
     (dict(q="q"), TypeError, "q must be a torch.Tensor"),
-    (dict(options="torch"), TypeError, "options must be a hip_kernels.KernelOptions, got str"),
+    (dict(kernel="torch"), TypeError, "kernel must be a hip_kernels.KernelOptions, got str"),
 ])
 def test_bad_arguments_are_named(bad, error, match):
     args = dict(q=torch.zeros(2, 8, 128), weights=torch.zeros(2, 8), cache=CACHE,
@@ -277,9 +280,9 @@ def test_bad_arguments_are_named(bad, error, match):
 
 def test_the_meta_implementation_gives_the_shape_and_dtype():
     meta = dict(device="meta")
-    out = torch.ops.dsv4.indexer_scores(
+    out = op("indexer_scores", "triton")(
         torch.empty(3, 8, 128, **meta), torch.empty(3, 8, dtype=torch.bfloat16, **meta),
         torch.empty(2, L.indexer_page_bytes(PAGE), dtype=torch.uint8, **meta),
         torch.empty(3, 11, dtype=torch.int64, **meta), torch.empty(3, 11, dtype=torch.bool, **meta),
-        PAGE, "triton", "ocp")
+        PAGE, "ocp")
     assert out.shape == (3, 11) and out.dtype == torch.bfloat16

@@ -52,7 +52,7 @@ def test_the_choice_is_topk_by_key_of_the_masked_row(n, t, k, dtype, has_width):
     if has_width:
         width = torch.randint(-1, t + 3, (n,), generator=torch.Generator().manual_seed(k))
         width[0] = t                        # the others below 0, inside or past T (clamped)
-    got = indexer_topk(scores, visible, k, use_aiter=False, width=width, options=TRITON)
+    got = indexer_topk(scores, visible, k, use_aiter=False, width=width, kernel=TRITON)
     assert got.dtype == torch.int64 and torch.equal(got, key_choice(scores, visible, k, width))
 
 
@@ -61,7 +61,7 @@ def test_fewer_visible_than_k_leaves_minus_one():
     visible = torch.ones_like(scores, dtype=torch.bool)
     visible[0, 7] = False
     width = torch.tensor([9])
-    got = indexer_topk(scores, visible, 10, use_aiter=False, width=width, options=TRITON)
+    got = indexer_topk(scores, visible, 10, use_aiter=False, width=width, kernel=TRITON)
     # NaN largest, tied 2.0 and 1.0 by the lower column, -0 and +0 equal, -inf and past width: -1
     assert got.tolist() == [[0, 5, 6, 1, 8, 2, 3, -1, -1, -1]]
     assert torch.equal(got, key_choice(scores, visible, 10, width))
@@ -74,7 +74,7 @@ def test_chunking_does_not_change_the_choice():
     scores = torch.full((1, t), 0.25)
     scores[0, t - 1] = 1.0                              # the best in the last, partial chunk
     visible = torch.ones(1, t, dtype=torch.bool)
-    got = indexer_topk(scores, visible, 8, use_aiter=False, options=TRITON)
+    got = indexer_topk(scores, visible, 8, use_aiter=False, kernel=TRITON)
     assert got.tolist() == [[t - 1, *range(7)]]
 
 
@@ -87,7 +87,7 @@ def test_aiter_keeps_its_own_kernel(monkeypatch):
     monkeypatch.setattr(indexer_topk_triton, "indexer_topk_triton", refuse)
     scores = torch.tensor([[1.0, 3.0, 2.0]])
     got = indexer_topk(scores, torch.ones(1, 3, dtype=torch.bool), 2, use_aiter=True,
-                       options=TRITON)
+                       kernel=TRITON)
     assert got.tolist() == [[1, 2]]
 
 
@@ -95,8 +95,8 @@ def test_one_op_per_call():
     scores, visible = tied_rows(1, 4, seed=2)
     loc, pick = torch.zeros(1, 4, dtype=torch.int64), torch.zeros(1, 2, dtype=torch.int64)
     assert op_names(lambda: indexer_topk(scores, visible, 2, use_aiter=False,
-                                         options=TRITON)) == ["dsv4::indexer_topk"]
-    assert op_names(lambda: picked_rows(loc, pick, options=TRITON)) == ["dsv4::picked_rows"]
+                                         kernel=TRITON)) == ["dsv4::indexer_topk"]
+    assert op_names(lambda: picked_rows(loc, pick, kernel=TRITON)) == ["dsv4::picked_rows"]
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
@@ -105,6 +105,6 @@ def test_picked_rows_is_the_gather_byte_for_byte(dtype):
     loc = torch.randint(-2 ** 31, 2 ** 31 - 1, (5, 2 * 40), generator=g).to(dtype)[:, ::2]
     pick = torch.randint(-1, 40, (5, 7), generator=g)
     pick[0] = -1
-    rows, valid = picked_rows(loc, pick, options=TRITON)
+    rows, valid = picked_rows(loc, pick, kernel=TRITON)
     assert rows.dtype == dtype and torch.equal(rows, loc.gather(1, pick.clamp(min=0)))
     assert valid.dtype == torch.bool and torch.equal(valid, pick >= 0)

@@ -21,7 +21,7 @@ def _args():
 def test_out_of_range_location_raises_with_checks_on(flag_env):
     kv, cache = _args()
     with pytest.raises(IndexError, match="out_loc holds location 4"):
-        hk.fused_store_cache(kv, cache, torch.tensor([0, 4]), P, options=TORCH)
+        hk.fused_store_cache(kv, cache, torch.tensor([0, 4]), P, kernel=TORCH)
     assert not cache.any()
 
 
@@ -31,10 +31,10 @@ def test_checks_off_skips_the_range_read_but_not_shape_checks(flag_env, monkeypa
     reads = []
     real_max = torch.Tensor.max
     monkeypatch.setattr(torch.Tensor, "max", lambda self, *a, **k: reads.append(1) or real_max(self, *a, **k))
-    hk.fused_store_cache(kv, cache, torch.tensor([0, 3]), P, options=unchecked)
+    hk.fused_store_cache(kv, cache, torch.tensor([0, 3]), P, kernel=unchecked)
     assert reads == []
     with pytest.raises(ValueError, match="out_loc must have shape"):
-        hk.fused_store_cache(kv, cache, torch.tensor([0, 1, 2]), P, options=unchecked)
+        hk.fused_store_cache(kv, cache, torch.tensor([0, 1, 2]), P, kernel=unchecked)
 
 
 def test_a_slot_written_twice_is_refused_before_any_write(flag_env):
@@ -43,9 +43,9 @@ def test_a_slot_written_twice_is_refused_before_any_write(flag_env):
     kv = torch.randn(4, 512).bfloat16()
     cache = torch.zeros(2, hk.page_bytes(P), dtype=torch.uint8)
     with pytest.raises(ValueError, match="out_loc holds slot 3 2 times"):
-        hk.fused_store_cache(kv, cache, torch.tensor([3, 1, 3, -1]), P, options=TORCH)
+        hk.fused_store_cache(kv, cache, torch.tensor([3, 1, 3, -1]), P, kernel=TORCH)
     assert not cache.any()
-    hk.fused_store_cache(kv, cache, torch.tensor([0, 2, 0, -1]), P, options=TORCH)  # 0: repeats
+    hk.fused_store_cache(kv, cache, torch.tensor([0, 2, 0, -1]), P, kernel=TORCH)  # 0: repeats
     assert cache.any()
     full_to_swa = torch.tensor([0, 2, 2, 3, -1])      # two full locations share SWA slot 2
     cache.zero_()
@@ -54,7 +54,7 @@ def test_a_slot_written_twice_is_refused_before_any_write(flag_env):
                                            torch.ones(8, 32, dtype=torch.complex64),
                                            torch.zeros(4, dtype=torch.int64),
                                            torch.tensor([1, 2, 3, -1]), full_to_swa, cache, P,
-                                           options=TORCH)
+                                           kernel=TORCH)
     assert not cache.any()
 
 
@@ -92,11 +92,11 @@ def test_trusted_locations_skip_the_host_reads_but_the_kernel_still_masks(flag_e
         with trusted_locations():
             assert not value_checks_enabled(TORCH)
         assert not value_checks_enabled(TORCH)
-        hk.fused_store_cache(kv, cache, torch.tensor([1, 4]), P, options=TORCH)  # 4: past it
+        hk.fused_store_cache(kv, cache, torch.tensor([1, 4]), P, kernel=TORCH)  # 4: past it
     assert value_checks_enabled(TORCH)
     assert cache[0, :hk.page_bytes(P) // 2].any()                  # slot 1 was written
     with pytest.raises(IndexError, match="out_loc holds location 4"):
-        hk.fused_store_cache(kv, cache, torch.tensor([1, 4]), P, options=TORCH)
+        hk.fused_store_cache(kv, cache, torch.tensor([1, 4]), P, kernel=TORCH)
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -107,8 +107,8 @@ def test_bad_options_are_named(bad, match):
     with pytest.raises(ValueError, match=match):
         KernelOptions(**bad)
     kv, cache = _args()
-    with pytest.raises(TypeError, match="options must be a hip_kernels.KernelOptions, got dict"):
-        hk.fused_store_cache(kv, cache, torch.tensor([0, 1]), P, options=bad)
+    with pytest.raises(TypeError, match="kernel must be a hip_kernels.KernelOptions, got dict"):
+        hk.fused_store_cache(kv, cache, torch.tensor([0, 1]), P, kernel=bad)
     with pytest.raises(ValueError, match="backend='cuda': expected one of"):
         hk.backend.resolve("fused_store_cache", kv.device, "cuda")
     assert not cache.any()
@@ -120,7 +120,7 @@ def test_a_repeated_slot_message_says_what_may_repeat():
     with pytest.raises(ValueError, match=r"holds slot 3 2 times: each slot >= 1 may be written by "
                                          r"one row only \(0, the dummy, may repeat\)"):
         hk.fused_store_cache(rows, cache, torch.tensor([3, 3]), P,
-                             options=hk.KernelOptions(backend="torch"))
+                             kernel=hk.KernelOptions(backend="torch"))
 
 
 def test_slot_checks_on_their_own():

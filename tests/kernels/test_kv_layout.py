@@ -9,7 +9,7 @@ import torch
 import hip_kernels
 from hip_kernels import KernelOptions
 from hip_kernels import kv_layout as L
-from hip_kernels.platform import default_device
+from hip_kernels.platform import DIALECTS, FNUZ, OCP, default_device
 from kv_inputs import (SENTINEL, bf16_rows, clone_args, gen, indexer_cache, kv_cache,
                        norm_rope_args, to_device)
 
@@ -34,9 +34,8 @@ def test_page_bytes_by_hand():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("page_size,page,t", [(1, 2, 0), (2, 1, 1), (64, 1, 37)])
-def test_hand_built_row_lands_in_place(flag_env, backend, page_size, page, t):
-    options = KernelOptions(backend=backend)
-    flag_env(DSV4_FP8_DIALECT="ocp")
+def test_hand_built_row_lands_in_place(backend, page_size, page, t):
+    kernel = KernelOptions(backend=backend, fp8_dialect=OCP)
     nope_bytes = (torch.arange(L.NOPE_DIM) % 251).to(torch.uint8)      # fp8 values 0x00..0xFA
     rope = torch.arange(L.ROPE_DIM, dtype=torch.float32).to(torch.bfloat16)
     rope[0] = 1.0                                                      # bf16 0x3F80
@@ -44,7 +43,7 @@ def test_hand_built_row_lands_in_place(flag_env, backend, page_size, page, t):
     args = to_device(dict(nope_fp8=nope_bytes.view(torch.float8_e4m3fn)[None], rope_bf16=rope[None],
                           scales=scales[None], cache=kv_cache(3, page_size),
                           out_loc=torch.tensor([page * page_size + t]), page_size=page_size), DEV)
-    hip_kernels.store_kv_pack(**args, options=options)
+    hip_kernels.store_kv_pack(**args, kernel=kernel)
     cache = args["cache"].cpu()
 
     row = cache[page]
@@ -64,21 +63,20 @@ def test_hand_built_row_lands_in_place(flag_env, backend, page_size, page, t):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dialect", ["fnuz", "ocp"])
-def test_read_kv_rows_round_trip(flag_env, backend, dialect):
-    options = KernelOptions(backend=backend)
-    flag_env(DSV4_FP8_DIALECT=dialect)
-    d = hip_kernels.fp8_dialect()
+def test_read_kv_rows_round_trip(backend, dialect):
+    d = DIALECTS[dialect]
+    kernel = KernelOptions(backend=backend, fp8_dialect=d)
     rows = bf16_rows(gen(2), 6, L.HEAD_DIM).to(DEV)
     loc = torch.tensor([5, 0, 63, 64, 100, 127], device=DEV)
     cache = kv_cache(2, 64).to(DEV)
-    hip_kernels.fused_store_cache(rows, cache, loc, 64, options=options)
+    hip_kernels.fused_store_cache(rows, cache, loc, 64, kernel=kernel)
     got = hip_kernels.read_kv_rows(cache, loc, 64, d)
     assert torch.equal(got, hip_kernels.dequantize_kv_rows(*hip_kernels.quantize_kv_rows(rows, d)))
     assert torch.equal(got[:, L.NOPE_DIM:], rows[:, L.NOPE_DIM:].float())
 
     k = bf16_rows(gen(3), 6, L.INDEX_DIM).to(DEV)
     icache = indexer_cache(2, 64).to(DEV)
-    hip_kernels.indexer_store(k, icache, loc, 64, options=options)
+    hip_kernels.indexer_store(k, icache, loc, 64, kernel=kernel)
     q, scale = L.quantize_indexer_rows(k, d)
     got_k = hip_kernels.read_indexer_rows(icache, loc, 64, d)
     assert torch.equal(got_k, q.float() * scale[:, None])
@@ -121,47 +119,46 @@ BAD_NORM_ROPE = {
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", BAD_NORM_ROPE.keys())
 def test_bad_input_raises_before_writing(flag_env, backend, case):
-    options = KernelOptions(backend=backend)
+    kernel = KernelOptions(backend=backend)
     make, exc, message = BAD_NORM_ROPE[case]
     args = make()
     cache_before, q_before = args["cache"].clone(), args["q"].clone()
     with pytest.raises(exc, match=message):
-        hip_kernels.fused_k_norm_rope_store(**args, options=options)
+        hip_kernels.fused_k_norm_rope_store(**args, kernel=kernel)
     assert torch.equal(args["cache"].view(torch.uint8), cache_before.view(torch.uint8))
     assert torch.equal(args["q"], q_before)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_bad_input_of_the_other_ops(flag_env, backend):
-    options = KernelOptions(backend=backend)
-    flag_env(DSV4_FP8_DIALECT="fnuz")
+def test_bad_input_of_the_other_ops(backend):
+    kernel = KernelOptions(backend=backend, fp8_dialect=FNUZ)
     cache, icache = kv_cache(2, 64), indexer_cache(2, 64)
     rows, loc = bf16_rows(gen(1), 3, L.HEAD_DIM), torch.tensor([0, 5, -1])
-    nope, rope, scales = L.quantize_kv_rows(rows, hip_kernels.fp8_dialect())
+    nope, rope, scales = L.quantize_kv_rows(rows, FNUZ)
     args = norm_rope_args(1, 3, 64, 2)
     f2s = torch.tensor([0, 7, 200, 3])
     cases = [
         (lambda: hip_kernels.fused_store_cache(rows, cache, torch.tensor([0, 128, 1]), 64,
-                                               options=options), IndexError, "out_loc"),
+                                               kernel=kernel), IndexError, "out_loc"),
         (lambda: hip_kernels.store_kv_pack(nope.view(torch.uint8).view(torch.float8_e4m3fn), rope,
-                                           scales, cache, loc, 64, options=options),
+                                           scales, cache, loc, 64, kernel=kernel),
          TypeError, "nope_fp8"),
         (lambda: hip_kernels.store_kv_pack(nope, rope, scales[:, :6], cache, loc, 64,
-                                           options=options), ValueError, "scales"),
+                                           kernel=kernel), ValueError, "scales"),
         (lambda: hip_kernels.indexer_store(rows[:, :64].contiguous(), icache, loc, 64,
-                                           options=options), ValueError, "k must have shape"),
+                                           kernel=kernel), ValueError, "k must have shape"),
         (lambda: hip_kernels.indexer_store(rows[:, :128].contiguous(), cache, loc, 64,
-                                           options=options), ValueError, "page-size mismatch"),
+                                           kernel=kernel), ValueError, "page-size mismatch"),
         (lambda: hip_kernels.fused_translate_norm_rope_store(
             args["kv"], args["weight"], 1e-6, args["freqs_cis"], args["positions"],
-            torch.tensor([1, 2, -1]), f2s, cache, 64, options=options), IndexError, "SWA slot 200"),
+            torch.tensor([1, 2, -1]), f2s, cache, 64, kernel=kernel), IndexError, "SWA slot 200"),
         (lambda: hip_kernels.fused_translate_norm_rope_store(
             args["kv"], args["weight"], 1e-6, args["freqs_cis"], args["positions"],
-            torch.tensor([1, 4, -1]), f2s, cache, 64, options=options), IndexError, "full_loc"),
+            torch.tensor([1, 4, -1]), f2s, cache, 64, kernel=kernel), IndexError, "full_loc"),
         (lambda: hip_kernels.fused_translate_norm_rope_store(
             args["kv"], args["weight"], 1e-6, args["freqs_cis"], args["positions"],
             torch.tensor([1, 3, -1]), f2s, cache, 64, torch.zeros(3, dtype=torch.int64),
-            options=options),
+            kernel=kernel),
          TypeError, "swa_loc_out"),
     ]
     for call, exc, message in cases:
@@ -183,7 +180,8 @@ def test_reads_through_a_strided_view_see_each_page_where_it_lies():
     loc = torch.tensor([0, 3, 4, 6, 11, 9])
     for got, want in zip(L.read_kv_bytes(strided, loc, p), L.read_kv_bytes(contiguous, loc, p)):
         assert torch.equal(got, want)
-    assert torch.equal(L.read_kv_rows(strided, loc, p), L.read_kv_rows(contiguous, loc, p))
+    assert torch.equal(L.read_kv_rows(strided, loc, p, OCP),
+                       L.read_kv_rows(contiguous, loc, p, OCP))
     # the page a location names, not its neighbour: rows of page 2 are the last page's bytes
     values, scales = L.read_kv_bytes(strided, torch.tensor([8]), p)
     assert torch.equal(values[0], buffer[2, :L.VALUE_BYTES])

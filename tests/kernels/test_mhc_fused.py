@@ -8,6 +8,7 @@ import torch
 pytest.importorskip("triton")
 
 from hip_kernels import mhc_fused, mhc_split  # noqa: E402
+from hip_kernels.library import op  # noqa: E402
 from hip_kernels.platform import default_device  # noqa: E402
 from op_recorder import op_names  # noqa: E402
 from triton_interp_shim import interpreter_shim  # noqa: E402,F401 (autouse fixture)
@@ -42,8 +43,8 @@ def pre_fusion_chain(x, fn, scale, base, weight, reference):
 
 
 def call_pre(x, fn, scale, base, weight, backend, reference=True):
-    return torch.ops.dsv4.hc_pre(x, fn, scale, base, weight, EPS, ITERS, EPS, NORM_EPS,
-                                 reference, backend)
+    return op("hc_pre", backend)(x, fn, scale, base, weight, EPS, ITERS, EPS, NORM_EPS,
+                                 reference)
 
 
 @pytest.mark.parametrize("reference", [True, False])
@@ -81,8 +82,8 @@ def test_triton_hc_post_matches_the_reference(dtype):
     res = torch.randn(n, HC, d, generator=g).to(dtype).to(DEV)
     post = torch.rand(n, HC, generator=g).to(DEV) * 2
     comb = torch.rand(n, HC, HC, generator=g).to(DEV)
-    want = torch.ops.dsv4.hc_post(out, res, post, comb, "torch")
-    got = torch.ops.dsv4.hc_post(out, res, post, comb, "triton")
+    want = op("hc_post", "torch")(out, res, post, comb)
+    got = op("hc_post", "triton")(out, res, post, comb)
     assert got.dtype == dtype and got.shape == (n, HC, d)
     torch.testing.assert_close(got.float(), want.float(), rtol=1e-6 if dtype == torch.float32
                                else 2 ** -8, atol=1e-6)

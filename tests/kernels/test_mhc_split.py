@@ -9,7 +9,8 @@ pytest.importorskip("triton")
 from hip_kernels import KernelOptions, mhc_split  # noqa: E402
 from hip_kernels.backend import BackendUnavailable  # noqa: E402
 from hip_kernels.platform import default_device  # noqa: E402
-from op_recorder import recorded_calls  # noqa: E402
+from hip_kernels.library import op  # noqa: E402
+from op_recorder import recorded_calls, recorded_ops  # noqa: E402
 
 DEV = default_device()   # the GPU where there is one (Triton compiled), else the CPU (interpreted)
 
@@ -33,7 +34,7 @@ def test_triton_matches_the_reference(n, iters):
     20 iterations carry to ~1e-6 relative."""
     mixes, scale, base = inputs(n, seed=n * 31 + iters)
     want = mhc_split.hc_split_ref(mixes, scale, base, HC, iters, EPS, True)
-    got = torch.ops.dsv4.hc_split(mixes, scale, base, HC, iters, EPS, True, "triton")
+    got = op("hc_split", "triton")(mixes, scale, base, HC, iters, EPS, True)
     for g, w in zip(got, want):
         assert g.shape == w.shape
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
@@ -42,7 +43,7 @@ def test_triton_matches_the_reference(n, iters):
 def test_the_columns_end_normalised():
     """The last step divides by the column sums: each column sums to 1 (up to eps)."""
     mixes, scale, base = inputs(8, seed=3)
-    _, _, comb = torch.ops.dsv4.hc_split(mixes, scale, base, HC, ITERS, EPS, True, "triton")
+    _, _, comb = op("hc_split", "triton")(mixes, scale, base, HC, ITERS, EPS, True)
     torch.testing.assert_close(comb.sum(-2).cpu(), torch.ones(8, HC), atol=1e-5, rtol=0)
 
 
@@ -55,12 +56,12 @@ def test_one_dispatcher_op_per_call():
 
 
 def op_args(hc, **kwargs) -> tuple:
-    """The (reference, backend) arguments of the hc_split op one public call runs."""
+    """(the reference argument, the backend) of the hc_split op one public call runs."""
     width = (2 + hc) * hc
     mixes, scale, base = torch.zeros(1, width), torch.ones(3), torch.zeros(width)
-    calls = recorded_calls(lambda: mhc_split.hc_split(mixes, scale, base, hc, 1, EPS, **kwargs))
-    (args,) = [a for name, a in calls if name == "dsv4::hc_split"]
-    return args[-2:]
+    calls = recorded_ops(lambda: mhc_split.hc_split(mixes, scale, base, hc, 1, EPS, **kwargs))
+    ((backend, args),) = [(ov, a) for name, ov, a in calls if name == "dsv4::hc_split"]
+    return args[-1], backend
 
 
 def test_the_backend_follows_the_options(monkeypatch):
@@ -68,13 +69,13 @@ def test_the_backend_follows_the_options(monkeypatch):
         pytest.skip("the CPU backend choice (no interpreter where a GPU exists)")
     triton = KernelOptions(backend="triton")
     assert op_args(HC) == (True, "torch")                          # auto: the reference on a CPU
-    assert op_args(HC, options=triton) == (True, "triton")         # TRITON_INTERPRET=1 here
-    assert op_args(HC, options=KernelOptions(backend="hip")) == (True, "triton")   # no HIP one
-    assert op_args(3, options=triton) == (True, "torch")           # not a power of two
+    assert op_args(HC, kernel=triton) == (True, "triton")         # TRITON_INTERPRET=1 here
+    assert op_args(HC, kernel=KernelOptions(backend="hip")) == (True, "triton")   # no HIP one
+    assert op_args(3, kernel=triton) == (True, "torch")           # not a power of two
     assert op_args(HC, reference=False) == (False, "torch")        # the op replays the numerics
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(BackendUnavailable, match="TRITON_INTERPRET=1"):
-        op_args(HC, options=triton)
+        op_args(HC, kernel=triton)
 
 
 def test_the_reference_flag_picks_the_softmax():
@@ -83,7 +84,7 @@ def test_the_reference_flag_picks_the_softmax():
     for reference in (True, False):
         want = mhc_split.hc_split_ref(mixes, scale, base, HC, ITERS, EPS, reference)
         got = mhc_split.hc_split(mixes, scale, base, HC, ITERS, EPS, reference=reference,
-                                 options=KernelOptions(backend="torch"))
+                                 kernel=KernelOptions(backend="torch"))
         assert all(torch.equal(g, w) for g, w in zip(got, want))
     comb = [mhc_split.sinkhorn_ref(mixes[:, 2 * HC:].view(-1, HC, HC), 1, EPS, r)
             for r in (True, False)]
@@ -92,7 +93,7 @@ def test_the_reference_flag_picks_the_softmax():
 
 @pytest.mark.parametrize("bad, error, match", [
     (dict(reference="yes"), TypeError, "reference must be a bool, got 'yes'"),
-    (dict(options="triton"), TypeError, "options must be a hip_kernels.KernelOptions, got str"),
+    (dict(kernel="triton"), TypeError, "kernel must be a hip_kernels.KernelOptions, got str"),
 ])
 def test_bad_keyword_arguments_are_named(bad, error, match):
     mixes, scale, base = inputs(2)
@@ -115,8 +116,8 @@ def test_bad_arguments_are_named(bad, match):
 
 
 def test_the_meta_implementation_gives_the_shapes():
-    pre, post, comb = torch.ops.dsv4.hc_split(torch.empty(7, WIDTH, device="meta"),
-                                              torch.empty(3, device="meta"),
-                                              torch.empty(WIDTH, device="meta"), HC, ITERS, EPS,
-                                              True, "triton")
+    pre, post, comb = op("hc_split", "triton")(torch.empty(7, WIDTH, device="meta"),
+                                               torch.empty(3, device="meta"),
+                                               torch.empty(WIDTH, device="meta"), HC, ITERS, EPS,
+                                               True)
     assert (pre.shape, post.shape, comb.shape) == ((7, HC), (7, HC), (7, HC, HC))

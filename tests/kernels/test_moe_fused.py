@@ -13,8 +13,9 @@ from hip_kernels import (KernelOptions, fp4_grouped_linear, fp8_linear, moe_rout
                          moe_shared)
 from hip_kernels.moe_fused import biased_gate, gate_scores, gate_weights
 from hip_kernels.quant_linear_ref import e2m1_to_float, e8m0_to_float
+from hip_kernels.library import op
 from hip_kernels.platform import default_device
-from op_recorder import op_names, recorded_calls
+from op_recorder import backends, op_names
 if importlib.util.find_spec("triton") is not None:
     from triton_interp_shim import interpreter_shim  # noqa: F401 (autouse: bf16 rounds as GPUs)
 
@@ -241,14 +242,14 @@ def test_triton_route_matches_the_reference(score_func, k):
     gate_w = torch.randn(N_EXPERTS, DIM, generator=g).bfloat16().to(DEV)
     bias = torch.randn(N_EXPERTS, generator=g).to(DEV)
     args = (k, 1.5, score_func)
-    want = torch.ops.dsv4.moe_route(x, gate_w, bias, None, None, *args[:3], "torch")
-    got = torch.ops.dsv4.moe_route(x, gate_w, bias, None, None, *args[:3], "triton")
+    want = op("moe_route", "torch")(x, gate_w, bias, None, None, *args)
+    got = op("moe_route", "triton")(x, gate_w, bias, None, None, *args)
     assert torch.equal(got[1], want[1])
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
     tid2eid = torch.randint(0, N_EXPERTS, (30, k), generator=g).to(DEV)
     ids = torch.randint(0, 30, (5,), generator=g).to(DEV)
-    want = torch.ops.dsv4.moe_route(x, gate_w, None, tid2eid, ids, *args[:3], "torch")
-    got = torch.ops.dsv4.moe_route(x, gate_w, None, tid2eid, ids, *args[:3], "triton")
+    want = op("moe_route", "torch")(x, gate_w, None, tid2eid, ids, *args)
+    got = op("moe_route", "triton")(x, gate_w, None, tid2eid, ids, *args)
     assert torch.equal(got[1], want[1])
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
 
@@ -261,15 +262,15 @@ def test_triton_routed_and_shared_match_the_reference(n):
     w = on_dev(bf16_experts(seed=21))
     x, weights, indices = (t.to(DEV) for t in routing(n, seed=22))
     args = (None, None, None, LIMIT)
-    want = torch.ops.dsv4.moe_routed(x, weights, indices, w["w1"], w["w3"], w["w2"], *args,
-                                     "ocp", "torch")
-    got = torch.ops.dsv4.moe_routed(x, weights, indices, w["w1"], w["w3"], w["w2"], *args,
-                                    "ocp", "triton")
+    want = op("moe_routed", "torch")(x, weights, indices, w["w1"], w["w3"], w["w2"], *args,
+                                     "ocp")
+    got = op("moe_routed", "triton")(x, weights, indices, w["w1"], w["w3"], w["w2"], *args,
+                                     "ocp")
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
     s = on_dev(shared_weights(False, seed=23))
-    want_s = torch.ops.dsv4.moe_shared(want, x, s["w1"], s["w3"], s["w2"], *args, "torch")
-    got_s = torch.ops.dsv4.moe_shared(want, x, s["w1"], s["w3"], s["w2"], *args, "triton")
+    want_s = op("moe_shared", "torch")(want, x, s["w1"], s["w3"], s["w2"], *args)
+    got_s = op("moe_shared", "triton")(want, x, s["w1"], s["w3"], s["w2"], *args)
     assert got_s.dtype == torch.bfloat16
     torch.testing.assert_close(got_s.float(), want_s.float(), rtol=2e-2,
                                atol=2e-2 * want_s.abs().max().item())
@@ -285,8 +286,8 @@ def test_the_backend_follows_the_options():
     x, weights, indices = routing(2)
 
     def backend(fn):
-        (args,) = [a for name, a in recorded_calls(fn) if name.startswith("dsv4::")]
-        return args[-1]
+        (used,) = backends(fn)
+        return used
     assert backend(lambda: moe_routed(x, weights, indices, **bf16_experts(),
-                                      options=triton)) == "triton"
+                                      kernel=triton)) == "triton"
     assert backend(lambda: moe_routed(x, weights, indices, **bf16_experts())) == "torch"

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from hip_kernels import KernelOptions, moe_routed, moe_shared, ocp_to_fnuz
+from hip_kernels.library import op
 from hip_kernels.platform import default_device
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
@@ -70,9 +71,8 @@ def routing(n, seed):
 
 
 def routed_op(x, weights, indices, w, limit, dialect, backend):
-    return torch.ops.dsv4.moe_routed(x, weights, indices, w["w1"], w["w3"], w["w2"],
-                                     w["w1_scale"], w["w3_scale"], w["w2_scale"], limit, dialect,
-                                     backend)
+    return op("moe_routed", backend)(x, weights, indices, w["w1"], w["w3"], w["w2"],
+                                     w["w1_scale"], w["w3_scale"], w["w2_scale"], limit, dialect)
 
 
 def assert_near(got, want):
@@ -101,7 +101,7 @@ def test_fp4_routed_matches_the_reference(fused_calls):
     torch reference by default), two tokens, the clamp at LIMIT reached."""
     w = fp4_experts(seed=1)
     x, weights, indices = routing(2, seed=2)
-    got = moe_routed(x, weights, indices, **w, swiglu_limit=LIMIT, options=TRITON)
+    got = moe_routed(x, weights, indices, **w, swiglu_limit=LIMIT, kernel=TRITON)
     assert fused_calls == ["moe_routed_fp4_triton"] and got.dtype == torch.float32
     if DEV.type == "cpu":
         want = moe_routed(x, weights, indices, **w, swiglu_limit=LIMIT)
@@ -141,11 +141,11 @@ def test_fp8_shared_matches_the_reference(fnuz, fused_calls):
     routed = (torch.randn(2, DIM, generator=gen(9)) / 4).to(DEV)   # the expert's part dominates
     args = (routed, x, s["w1"], s["w3"], s["w2"], s["w1_scale"], s["w3_scale"], s["w2_scale"],
             LIMIT)
-    want = torch.ops.dsv4.moe_shared(*args, "torch")
+    want = op("moe_shared", "torch")(*args)
     if fnuz:
-        got = torch.ops.dsv4.moe_shared(*args, "triton")
+        got = op("moe_shared", "triton")(*args)
     else:
-        got = moe_shared(routed, x, **s, swiglu_limit=LIMIT, options=TRITON)
+        got = moe_shared(routed, x, **s, swiglu_limit=LIMIT, kernel=TRITON)
         assert fused_calls == ["moe_shared_fp8_triton"]
     assert got.dtype == torch.bfloat16
     assert_near(got, want)

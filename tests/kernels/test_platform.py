@@ -66,3 +66,13 @@ def test_asking_for_triton_on_a_cpu_says_how(monkeypatch):
                                                  r"TRITON_INTERPRET=1 before triton is first "
                                                  r"imported$"):
         resolve("fused_store_cache", torch.device("cpu"), "triton")
+
+
+def test_triton_interpreted_is_the_interpreter_switch(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert platform.triton_interpreted()
+    for off in ("0", ""):
+        monkeypatch.setenv("TRITON_INTERPRET", off)
+        assert not platform.triton_interpreted()
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert not platform.triton_interpreted()

@@ -10,6 +10,7 @@ in their own fp32 order: test_quant_linear_nvidia.py holds that bound and the sm
 """
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -22,10 +23,10 @@ from hip_kernels import (KernelOptions, act_quant, fp4_grouped_linear,  # noqa: 
 from hip_kernels import quant_linear_ref as R  # noqa: E402
 from hip_kernels import quant_linear_triton as T  # noqa: E402
 from hip_kernels.capture import set_emulated_capture  # noqa: E402
-from hip_kernels.library import ops  # noqa: E402
+from hip_kernels.library import op  # noqa: E402
 from hip_kernels.platform import FNUZ, OCP  # noqa: E402
 from launch_recorder import LaunchRecorder  # noqa: E402
-from op_recorder import op_names, recorded_calls  # noqa: E402
+from op_recorder import op_names, recorded_ops  # noqa: E402
 from quant_inputs import e8m0, fp4_weight, fp8_weight, gen, rows  # noqa: E402
 from triton_interp_shim import interpreter_shim  # noqa: E402,F401 (autouse fixture)
 
@@ -151,8 +152,8 @@ def test_fp4_scales_multiply_left_to_right_as_the_reference(case):
     want = K.fp4_gemm(q, s, packed[0].view(torch.float4_e2m1fn_x2), sb[0]).bfloat16()
     assert (want.isinf().all() if case == "partial_times_sa_overflows" else want.isfinite().all())
     offs = torch.tensor([x.shape[0]], dtype=torch.int32)
-    for options in (TORCH, TRITON):
-        assert same(fp4_grouped_linear(x, packed, sb, offs, scale_fmt=fmt, options=options),
+    for kernel in (TORCH, TRITON):
+        assert same(fp4_grouped_linear(x, packed, sb, offs, scale_fmt=fmt, kernel=kernel),
                     want)
 
 
@@ -216,14 +217,14 @@ def test_fp8_linear_triton_matches_torch(dialect, scale):
     w = fp8_weight(g, 200, 256)                    # N not a multiple of 64 or 128
     ws = e8m0(g, 2, 2)
     ws = {"e8m0": ws, "uint8": ws.view(torch.uint8), "fp32": ws.float() * 1.5}[scale]
-    want = fp8_linear(x, w, ws, options=TORCH)
+    want = fp8_linear(x, w, ws, kernel=TORCH)
     if dialect == "fnuz":
         w, ws = ocp_to_fnuz(w, ws)
-        assert same(fp8_linear(x, w, ws, options=TORCH), want)
+        assert same(fp8_linear(x, w, ws, kernel=TORCH), want)
     for fmt in ("ue8m0", None):
-        ref = fp8_linear(x, w, ws, scale_fmt=fmt, options=TORCH) if fmt is None else want
+        ref = fp8_linear(x, w, ws, scale_fmt=fmt, kernel=TORCH) if fmt is None else want
         assert same(fp8_linear(x.to(DEV), w.to(DEV), ws.to(DEV), scale_fmt=fmt,
-                               options=TRITON).cpu(), ref)
+                               kernel=TRITON).cpu(), ref)
 
 
 @pytest.mark.parametrize("dialect", ["ocp", "fnuz"])
@@ -234,15 +235,15 @@ def test_fp8_linear_fp32_output_is_the_unrounded_accumulator(dialect):
     x, w, ws = rows(g, 3, 256), fp8_weight(g, 200, 256), e8m0(g, 2, 2)
     if dialect == "fnuz":
         w, ws = ocp_to_fnuz(w, ws)
-    got = fp8_linear(x, w, ws, out_dtype=torch.float32, options=TORCH)
+    got = fp8_linear(x, w, ws, out_dtype=torch.float32, kernel=TORCH)
     q, s = act_quant(x, "ue8m0", FNUZ if dialect == "fnuz" else OCP)
     blocks = [R.fp8_gemm_ref(q[:, c:c + 128], s[:, c // 128:c // 128 + 1], w[:, c:c + 128],
                              ws[:, c // 128:c // 128 + 1], torch.float32) for c in (0, 128)]
     assert got.dtype == torch.float32 and torch.equal(got, blocks[0] + blocks[1])
-    assert same(got.bfloat16(), fp8_linear(x, w, ws, options=TORCH))
+    assert same(got.bfloat16(), fp8_linear(x, w, ws, kernel=TORCH))
     assert not torch.equal(got, got.bfloat16().float())
     triton_got = fp8_linear(x.to(DEV), w.to(DEV), ws.to(DEV), out_dtype=torch.float32,
-                            options=TRITON)
+                            kernel=TRITON)
     assert torch.equal(triton_got.cpu(), got)
 
 
@@ -255,31 +256,32 @@ def test_fp8_grouped_linear_triton_matches_torch(dialect):
     if dialect == "fnuz":
         w, ws = zip(*(ocp_to_fnuz(w[e], ws[e]) for e in range(3)))
         w, ws = torch.stack(w), torch.stack(ws)
-    want = fp8_grouped_linear(x, w, ws, offs, options=TORCH)
+    want = fp8_grouped_linear(x, w, ws, offs, kernel=TORCH)
     assert torch.equal(want[8], torch.zeros_like(want[8]))
     for e, (lo, hi) in enumerate([(0, 3), (3, 8)]):
         e = (0, 2)[e]
-        assert same(want[lo:hi], fp8_linear(x[lo:hi], w[e], ws[e], options=TORCH))
-    got = fp8_grouped_linear(x.to(DEV), w.to(DEV), ws.to(DEV), offs.to(DEV), options=TRITON)
+        assert same(want[lo:hi], fp8_linear(x[lo:hi], w[e], ws[e], kernel=TORCH))
+    got = fp8_grouped_linear(x.to(DEV), w.to(DEV), ws.to(DEV), offs.to(DEV), kernel=TRITON)
     assert same(got.cpu(), want)
 
 
 @pytest.mark.parametrize("dialect", ["ocp", "fnuz"])
 @pytest.mark.parametrize("packing", [torch.int8, torch.uint8, torch.float4_e2m1fn_x2],
                          ids=["int8", "uint8", "float4_e2m1fn_x2"])
-def test_fp4_grouped_linear_triton_matches_torch(dialect, packing, flag_env):
-    flag_env(DSV4_FP8_DIALECT=dialect)
+def test_fp4_grouped_linear_triton_matches_torch(dialect, packing):
+    """The activations are quantized in the KernelOptions' fp8 dialect."""
+    d = FNUZ if dialect == "fnuz" else OCP
     g = gen(7)
     x = rows(g, 7, 256)
     w = fp4_weight(g, 2, 96, 128).view(packing)
     ws = e8m0(g, 2, 96, 8)
     offs = torch.tensor([2, 6], dtype=torch.int32)
-    want = fp4_grouped_linear(x, w, ws, offs, options=TORCH)
+    want = fp4_grouped_linear(x, w, ws, offs, kernel=replace(TORCH, fp8_dialect=d))
     q, s = act_quant(x[2:6])
     assert same(want[2:6], R.fp4_gemm_ref(q, s, w[1], ws[1]))
     assert torch.equal(want[6], torch.zeros_like(want[6]))
     got = fp4_grouped_linear(x.to(DEV), w.to(DEV), ws.view(torch.uint8).to(DEV), offs.to(DEV),
-                             options=TRITON)
+                             kernel=replace(TRITON, fp8_dialect=d))
     assert same(got.cpu(), want)
 
 
@@ -290,8 +292,8 @@ def test_offs_past_the_rows_never_leave_them_without_value_checks():
     x, w, ws = rows(g, 5, 128), fp4_weight(g, 2, 32, 64), e8m0(g, 2, 32, 4)
     unchecked = KernelOptions(backend="triton", value_checks=False)
     offs = torch.tensor([2, 9], dtype=torch.int32)
-    got = fp4_grouped_linear(x.to(DEV), w.to(DEV), ws.to(DEV), offs.to(DEV), options=unchecked)
-    want = fp4_grouped_linear(x, w, ws, torch.tensor([2, 5], dtype=torch.int32), options=TORCH)
+    got = fp4_grouped_linear(x.to(DEV), w.to(DEV), ws.to(DEV), offs.to(DEV), kernel=unchecked)
+    want = fp4_grouped_linear(x, w, ws, torch.tensor([2, 5], dtype=torch.int32), kernel=TORCH)
     assert same(got.cpu(), want)
 
 
@@ -307,10 +309,10 @@ def test_grouped_linear_in_capture_gives_each_row_its_groups_result(fp4):
         op, w, ws = fp4_grouped_linear, fp4_weight(g, 3, 32, 64), e8m0(g, 3, 32, 4)
     else:
         op, w, ws = fp8_grouped_linear, fp8_weight(g, 3, 32, 128), e8m0(g, 3, 1, 1)
-    eager = op(x, w, ws, offs, options=TORCH)
+    eager = op(x, w, ws, offs, kernel=TORCH)
     set_emulated_capture(True)
     try:
-        captured = op(x, w, ws, offs, options=TORCH)
+        captured = op(x, w, ws, offs, kernel=TORCH)
     finally:
         set_emulated_capture(False)
     assert same(captured, eager)
@@ -327,39 +329,37 @@ def small_args(g):
                                    torch.tensor([1, 2], dtype=torch.int32))}
 
 
-@pytest.mark.parametrize("options", [TORCH, TRITON], ids=["torch", "triton"])
-def test_each_call_is_one_dispatcher_op(options):
+@pytest.mark.parametrize("kernel", [TORCH, TRITON], ids=["torch", "triton"])
+def test_each_call_is_one_dispatcher_op(kernel):
     fns = {"fp8_linear": fp8_linear, "fp8_grouped_linear": fp8_grouped_linear,
            "fp4_grouped_linear": fp4_grouped_linear}
     for name, args in small_args(gen(8)).items():
-        assert op_names(lambda: fns[name](*args, options=options)) == [f"dsv4::{name}"]
+        assert op_names(lambda: fns[name](*args, kernel=kernel)) == [f"dsv4::{name}"]
 
 
 @pytest.mark.parametrize("platform, weight_dtype, backend", [
     (OCP, torch.float8_e4m3fn, "triton"), (FNUZ, torch.float8_e4m3fnuz, "triton"),
     (FNUZ, torch.float8_e4m3fn, "torch")])
 def test_triton_asked_runs_triton_unless_the_weights_are_ocp_on_an_fnuz_platform(
-        monkeypatch, platform, weight_dtype, backend):
-    """The Triton kernels decode the weights in the platform's dialect: published (OCP) e4m3fn
-    weights on an fnuz platform (not converted at load) go to the torch reference."""
-    import hip_kernels.quant_linear as Q
-
-    monkeypatch.setattr(Q, "fp8_dialect", lambda: platform)
+            platform, weight_dtype, backend):
+    """The Triton kernels decode the weights in the KernelOptions' dialect (the platform's):
+    published (OCP) e4m3fn weights on an fnuz platform (not converted at load) go to the torch
+    reference."""
     g = gen(14)
     x, w, ws = small_args(g)["fp8_linear"]
     w = w.view(torch.uint8).clamp(max=0x7e).view(weight_dtype)   # no NaN in either dialect
-    calls = recorded_calls(lambda: fp8_linear(x, w, ws, options=TRITON))
-    assert [(name, [a for a in args if a in ("torch", "triton", "hip")]) for name, args in calls
-            ] == [("dsv4::fp8_linear", [backend])]
+    kernel = replace(TRITON, fp8_dialect=platform)
+    calls = recorded_ops(lambda: fp8_linear(x, w, ws, kernel=kernel))
+    assert [(name, overload) for name, overload, _ in calls] == [("dsv4::fp8_linear", backend)]
 
 
 def test_meta_tensors_give_the_output_shape():
     args = small_args(gen(9))
     x, w, ws = (t.to("meta") for t in args["fp8_linear"])
-    assert ops.fp8_linear(x, w, ws, True, "torch", torch.bfloat16).shape == (2, 64)
-    assert ops.fp8_linear(x, w, ws, True, "torch", torch.float32).dtype == torch.float32
+    assert op("fp8_linear", "torch")(x, w, ws, True, torch.bfloat16).shape == (2, 64)
+    assert op("fp8_linear", "triton")(x, w, ws, True, torch.float32).dtype == torch.float32
     x, w, ws, offs = (t.to("meta") for t in args["fp4_grouped_linear"])
-    out = ops.fp4_grouped_linear(x, w, ws, offs, True, "torch", "ocp")
+    out = op("fp4_grouped_linear", "triton")(x, w, ws, offs, True, "ocp")
     assert out.shape == (2, 64) and out.dtype == torch.bfloat16
 
 
@@ -396,7 +396,7 @@ def test_bad_arguments_are_named():
         (lambda: fp8_linear(x, w, ws.view(torch.int8)), TypeError, "weight_scale must have dtype"),
         (lambda: fp8_linear(x, w, ws, scale_fmt="e4m3"), ValueError, "scale_fmt"),
         (lambda: fp8_linear(x, w, ws, out_dtype=torch.float16), ValueError, "out_dtype"),
-        (lambda: fp8_linear(x, w, ws, options="torch"), TypeError, "options must be"),
+        (lambda: fp8_linear(x, w, ws, kernel="torch"), TypeError, "kernel must be"),
     ]
     x4, w4, ws4, offs = small_args(g)["fp4_grouped_linear"]
     cases += [

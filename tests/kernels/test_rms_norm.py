@@ -27,7 +27,7 @@ def test_reference_is_the_models_expression():
     x, w = inputs((5, 96), torch.bfloat16)
     xf = x.float()
     want = (w * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + EPS))).to(x.dtype)
-    assert torch.equal(rms_norm(x, w, EPS, options=KernelOptions(backend="torch")), want)
+    assert torch.equal(rms_norm(x, w, EPS, kernel=KernelOptions(backend="torch")), want)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -35,7 +35,7 @@ def test_reference_is_the_models_expression():
 def test_triton_matches_the_reference(shape, dtype):
     """fp32 statistics both ways, summed in another order: within one rounding of dtype."""
     x, w = inputs(shape, dtype, seed=shape[-1])
-    got = rms_norm(x, w, EPS, options=KernelOptions(backend="triton"))
+    got = rms_norm(x, w, EPS, kernel=KernelOptions(backend="triton"))
     want = rms_norm_ref(x, w, EPS)
     assert got.dtype == dtype and got.shape == x.shape
     tol = {"rtol": 8e-3, "atol": 1e-5} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-6}

@@ -30,8 +30,8 @@ def test_captured_stores_replay_live_locations_and_skip_negative():
 
     def step():
         hk.fused_k_norm_rope_store(static_kv, weight, 1e-6, freqs, static_pos, static_loc, cache, P,
-                                   options=torch_backend)
-        hk.indexer_store(static_k, icache, static_loc, P, options=torch_backend)
+                                   kernel=torch_backend)
+        hk.indexer_store(static_k, icache, static_loc, P, kernel=torch_backend)
 
     g = EmulatedGraph()
     with graph(g):
@@ -43,8 +43,8 @@ def test_captured_stores_replay_live_locations_and_skip_negative():
         pos = torch.tensor([3, 7, 11])
         want, iwant = cache.clone(), icache.clone()
         hk.fused_k_norm_rope_store(kv, weight, 1e-6, freqs, pos, loc, want, P,
-                                   options=torch_backend)
-        hk.indexer_store(k, iwant, loc, P, options=torch_backend)
+                                   kernel=torch_backend)
+        hk.indexer_store(k, iwant, loc, P, kernel=torch_backend)
         static_kv.copy_(kv), static_k.copy_(k), static_pos.copy_(pos), static_loc.copy_(loc)
         g.replay()
         assert torch.equal(cache, want)

@@ -133,7 +133,7 @@ def test_sources_are_staged_beside_the_build_and_only_rewritten_when_changed(tmp
 
 
 def test_the_kernels_take_the_default_numerics_with_either_rms_and_q_mode():
-    from dataclasses import replace
+    from dataclasses import astuple, replace
 
     assert set_kv_hip.supports(N.DEFAULT_NUMERICS) and set_kv_hip.supports(N.REFERENCE_NUMERICS)
     for rms in set_kv_hip.KERNEL_RMS_MODES:
@@ -143,7 +143,7 @@ def test_the_kernels_take_the_default_numerics_with_either_rms_and_q_mode():
     assert not set_kv_hip.supports(host)
     assert not set_kv_hip.supports(replace(N.DEFAULT_NUMERICS, round_to_bf16=False))
     with pytest.raises(ValueError, match="the HIP set-KV kernels do not implement"):
-        set_kv_hip.fused_store_cache(None, None, None, 16, None, numerics=host)
+        set_kv_hip.fused_store_cache(None, None, None, 16, "ocp", *astuple(host))
     weight = torch.ones(4, dtype=torch.float16)
     assert set_kv_hip._weight(weight).dtype == torch.float32
     bf16 = weight.bfloat16()

@@ -1,6 +1,6 @@
 """The built HIP/CUDA set-KV extension writes exactly the torch reference's bytes (GPU only).
 
-Runs the public ops with options backend=hip in both fp8 dialects; on gfx942 the fnuz
+Runs the public ops with kernel backend=hip in both fp8 dialects; on gfx942 the fnuz
 dialect goes through the hardware convert, checked here on every bf16 value. Also captured in
 a graph and replayed with new inputs.
 """
@@ -17,7 +17,6 @@ from set_kv_cases import OPS, SHAPES, every_bf16_case, make_case, on_device, out
 
 pytestmark = pytest.mark.gpu
 DEV = torch.device("cuda")
-HIP = KernelOptions(backend="hip")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -28,9 +27,13 @@ def extension_built():
     assert not reason, reason
 
 
-def run_hip(op: str, args: dict) -> dict:
+def hip(dialect) -> KernelOptions:
+    return KernelOptions(backend="hip", fp8_dialect=dialect)
+
+
+def run_hip(op: str, args: dict, dialect) -> dict:
     assert resolve(op, DEV, "hip") == "hip"
-    getattr(hip_kernels, op)(**args, options=HIP)
+    getattr(hip_kernels, op)(**args, kernel=hip(dialect))
     torch.cuda.synchronize()
     return {k: v.cpu() for k, v in outputs(args).items()}
 
@@ -44,37 +47,33 @@ def assert_same(got: dict, want: dict):
 @pytest.mark.parametrize("dialect", [FNUZ, OCP], ids=str)
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("shape", range(len(SHAPES)))
-def test_bytes_match_the_reference(flag_env, op, shape, dialect):
-    flag_env(DSV4_FP8_DIALECT=dialect.name)
+def test_bytes_match_the_reference(op, shape, dialect):
     args = make_case(op, shape, *SHAPES[shape])
-    assert_same(run_hip(op, on_device(args, DEV)), reference(op, args, dialect))
+    assert_same(run_hip(op, on_device(args, DEV), dialect), reference(op, args, dialect))
 
 
-def test_fp16_weight_is_widened(flag_env):
-    flag_env(DSV4_FP8_DIALECT="fnuz")
+def test_fp16_weight_is_widened():
     op = "fused_translate_norm_rope_store"
     args = make_case(op, 5, 8, 2, 8, 0, torch.int32, torch.float16)
-    assert_same(run_hip(op, on_device(args, DEV)), reference(op, args, FNUZ))
+    assert_same(run_hip(op, on_device(args, DEV), FNUZ), reference(op, args, FNUZ))
 
 
 @pytest.mark.parametrize("dialect", [FNUZ, OCP], ids=str)
-def test_every_bf16_value_quantizes_like_torch(flag_env, dialect):
-    flag_env(DSV4_FP8_DIALECT=dialect.name)
+def test_every_bf16_value_quantizes_like_torch(dialect):
     args, _ = every_bf16_case(dialect)
-    got = run_hip("fused_store_cache", on_device(args, DEV))
+    got = run_hip("fused_store_cache", on_device(args, DEV), dialect)
     assert_same(got, reference("fused_store_cache", args, dialect))
 
 
-def test_graph_replay_with_new_inputs(flag_env):
-    flag_env(DSV4_FP8_DIALECT="ocp")
+def test_graph_replay_with_new_inputs():
     op = "fused_k_norm_rope_store"
     first, second = (make_case(op, seed, 16, 64, 2, 2, torch.int64, torch.bfloat16)
                      for seed in (11, 12))
     static = on_device(first, DEV)
-    getattr(hip_kernels, op)(**on_device(first, DEV), options=HIP)  # warm-up outside the graph
+    getattr(hip_kernels, op)(**on_device(first, DEV), kernel=hip(OCP))  # warm-up, not captured
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        getattr(hip_kernels, op)(**static, options=HIP)
+        getattr(hip_kernels, op)(**static, kernel=hip(OCP))
     for name, value in on_device(second, DEV).items():
         if isinstance(value, torch.Tensor):
             static[name].copy_(value)

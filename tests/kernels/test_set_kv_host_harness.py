@@ -10,6 +10,7 @@ kernel's formula byte for byte, and to the torch reference up to its known CPU d
 """
 
 import mmap
+from dataclasses import asdict, astuple
 
 import pytest
 import torch
@@ -122,7 +123,7 @@ def test_rows_past_4gib(host_ops):
     args = make_case("fused_k_norm_rope_store", 3, len(loc), page_size, 1, 0, torch.int32,
                      torch.bfloat16)
     args.update(out_loc=loc, cache=caches[0])
-    R.fused_k_norm_rope_store(**args, q=None, dialect=OCP)
+    R.fused_k_norm_rope_store(**args, q=None, dialect="ocp", **asdict(N.DEFAULT_NUMERICS))
     host_ops.k_norm_rope_store(args["kv"], args["weight"], args["eps"],
                                torch.view_as_real(args["freqs_cis"]), args["positions"], loc,
                                caches[1], page_size, None, False, 64)
@@ -212,7 +213,7 @@ def run_host_numerics(host_ops, args: dict, dialect, lanes: int, numerics=RN) ->
 def torch_reference(args: dict, dialect, numerics=RN) -> dict:
     ref = clone_args(args)
     ref.setdefault("q", None)
-    R.fused_k_norm_rope_store(**ref, dialect=dialect, numerics=numerics)
+    R.fused_k_norm_rope_store(**ref, dialect=dialect.name, **asdict(numerics))
     return outputs(ref)
 
 
@@ -323,11 +324,11 @@ def test_numerics_arguments(host_ops):
 
 def test_hip_wrapper_passes_the_numerics(host_ops, monkeypatch):
     """hip_kernels.set_kv_hip hands rms and q_mode to the extension (schema: ..., bool fnuz,
-    str rms, str q_mode), run through the dispatcher op with backend "hip" and the host harness
-    standing in for the extension; set_kv._hip_ok sends REFERENCE_NUMERICS to it too."""
+    str rms, str q_mode), run through the op's hip overload with the host harness standing in
+    for the extension; set_kv._hip_ok sends REFERENCE_NUMERICS to it too."""
     from hip_kernels import set_kv_hip
+    from hip_kernels.library import op
     from hip_kernels.set_kv import _hip_ok
-    from hip_kernels.set_kv_ops import numerics_args, ops
 
     class Extension:  # the harness ops take the lane count after fnuz
         def k_norm_rope_store(self, *a):
@@ -340,9 +341,9 @@ def test_hip_wrapper_passes_the_numerics(host_ops, monkeypatch):
     args = make_case(K_OP, 2, 8, 2, 8, 2, torch.int32, torch.bfloat16)
     for numerics in (N.DEFAULT_NUMERICS, RN):
         a = clone_args(args)
-        ops.fused_k_norm_rope_store(a["kv"], a["weight"], a["eps"], a["freqs_cis"],
-                                    a["positions"], a["out_loc"], a["cache"], a["page_size"],
-                                    a["q"], "hip", "ocp", *numerics_args(numerics))
+        op(K_OP, "hip")(a["kv"], a["weight"], a["eps"], a["freqs_cis"], a["positions"],
+                        a["out_loc"], a["cache"], a["page_size"], a["q"], "ocp",
+                        *astuple(numerics))
         assert_same(outputs(a), run_host_numerics(host_ops, args, OCP, 64, numerics))
     assert not same_bytes(run_host_numerics(host_ops, args, OCP, 64, N.DEFAULT_NUMERICS)["q"],
                           run_host_numerics(host_ops, args, OCP, 64, RN)["q"])
@@ -353,8 +354,8 @@ def test_hip_wrapper_passes_the_numerics(host_ops, monkeypatch):
                   N.StoreNumerics(q_mode="bf16_norm_rope", rms="device", amax_floor=1e-8)):
         assert not _hip_ok(other, cache)
     with pytest.raises(ValueError, match="do not implement"):
-        set_kv_hip.fused_k_norm_rope_store(**clone_args(args), dialect=OCP,
-                                           numerics=N.StoreNumerics(q_mode="rope_only"))
+        set_kv_hip.fused_k_norm_rope_store(**clone_args(args), dialect="ocp",
+                                           **asdict(N.StoreNumerics(q_mode="rope_only")))
 
 
 @pytest.mark.parametrize("numerics", [N.DEFAULT_NUMERICS, RN], ids=["default", "reference"])
@@ -362,9 +363,9 @@ def test_hip_wrapper_passes_the_numerics(host_ops, monkeypatch):
 def test_translate_with_q_stores_what_the_plain_store_does(host_ops, dialect, numerics):
     """The translating op (q and numerics included) writes the bytes and the q the plain store
     writes at the translated slots (unmapped slot 0 and negative locations: no write), through
-    the HIP wrapper and its dispatcher op."""
+    the HIP wrapper, the op's hip overload."""
     from hip_kernels import set_kv_hip
-    from hip_kernels.set_kv_ops import numerics_args, ops
+    from hip_kernels.library import op
 
     class Extension:  # the harness ops take the lane count after fnuz
         def translate_norm_rope_store(self, *a):
@@ -382,9 +383,9 @@ def test_translate_with_q_stores_what_the_plain_store_does(host_ops, dialect, nu
     a = clone_args(args)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(set_kv_hip, "_ops", Extension)
-        ops.fused_translate_norm_rope_store(
+        op("fused_translate_norm_rope_store", "hip")(
             a["kv"], a["weight"], a["eps"], a["freqs_cis"], a["positions"], a["full_loc"],
-            a["full_to_swa"], a["cache"], a["page_size"], a["swa_loc_out"], a["q"], "hip",
-            dialect.name, *numerics_args(numerics))
+            a["full_to_swa"], a["cache"], a["page_size"], a["swa_loc_out"], a["q"],
+            dialect.name, *astuple(numerics))
     assert same_bytes(a["cache"], want["cache"]) and same_bytes(a["q"], want["q"])
     assert torch.equal(a["swa_loc_out"], swa)

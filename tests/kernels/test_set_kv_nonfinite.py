@@ -107,8 +107,7 @@ def test_the_reported_case_poisons_one_tile_and_changes_no_other(dialect):
 
 @pytest.mark.parametrize("dialect", ["fnuz", "ocp"])
 @pytest.mark.parametrize("backend", ["triton", "hip_host"])
-def test_the_reported_case_stores_the_reference_bytes(flag_env, tmp_path_factory, backend,
-                                                      dialect):
+def test_the_reported_case_stores_the_reference_bytes(tmp_path_factory, backend, dialect):
     """Triton's interpreter rounded fp32 -> fp8 its own way (57 bytes of clean tiles differed);
     the kernel now rounds on the CPU in integer arithmetic, so no shim is needed."""
     args = reported_case()
@@ -121,24 +120,24 @@ def test_the_reported_case_stores_the_reference_bytes(flag_env, tmp_path_factory
     else:
         pytest.importorskip("triton")
         with unshimmed():
-            got = run(flag_env, "triton", dialect, "fused_store_cache", args)["cache"]
+            got = run("triton", dialect, "fused_store_cache", args)["cache"]
     assert same_bytes(got, want)
 
 
-def run(flag_env, backend, dialect, op, args):
-    flag_env(DSV4_FP8_DIALECT=dialect)
+def run(backend, dialect, op, args):
     a = to_device(clone_args(args), DEV)
-    getattr(hip_kernels, op)(**a, options=KernelOptions(backend=backend))
+    getattr(hip_kernels, op)(**a, kernel=KernelOptions(backend=backend,
+                                                       fp8_dialect=DIALECTS[dialect]))
     return to_device(a, "cpu")
 
 
 @pytest.mark.parametrize("dialect", ["fnuz", "ocp"])
 @pytest.mark.parametrize("op", OPS)
-def test_triton_stores_the_reference_bytes(flag_env, op, dialect):
+def test_triton_stores_the_reference_bytes(op, dialect):
     pytest.importorskip("triton")
     args, _ = nonfinite_case(op, P)
     want = reference(op, args, DIALECTS[dialect])
-    got = run(flag_env, "triton", dialect, op, args)
+    got = run("triton", dialect, op, args)
     for k in want:
         assert same_bytes(got[k], want[k]), k
 
@@ -155,18 +154,18 @@ NEG_ZERO_NAN = torch.tensor([0xFF81], dtype=torch.int32).to(torch.int16).view(to
 
 
 @pytest.mark.parametrize("dialect", ["fnuz", "ocp"])
-def test_indexer_keys_with_a_nonfinite_value_are_poisoned(flag_env, dialect):
+def test_indexer_keys_with_a_nonfinite_value_are_poisoned(dialect):
     d = DIALECTS[dialect]
     args = indexer_case()
     ref = clone_args(args)
-    R.indexer_store(**ref, dialect=d)
+    R.indexer_store(**ref, dialect=d.name, pow2_scale=False)
     for row, loc in enumerate(args["out_loc"].tolist()):
         page = ref["cache"][loc // P]
         vals = page[loc % P * L.INDEX_DIM:][:L.INDEX_DIM]
         scale = page[P * L.INDEX_DIM + loc % P * 4:][:4].view(torch.int32)
         assert bool((vals == d.nan_byte).all() and scale == L.FP32_NAN) == (row < 3)
     pytest.importorskip("triton")
-    got = run(flag_env, "triton", dialect, "indexer_store", args)
+    got = run("triton", dialect, "indexer_store", args)
     assert same_bytes(got["cache"], ref["cache"])
 
 
@@ -177,10 +176,10 @@ def test_the_refuse_option_raises_before_a_byte_is_written(op):
     before = args["cache"].clone()
     name = {"fused_store_cache": "rows", "indexer_store": "k"}.get(op, "kv")
     with pytest.raises(ValueError, match=fr"^{name} row 0 holds a NaN or inf"):
-        getattr(hip_kernels, op)(**args, options=refuse)
+        getattr(hip_kernels, op)(**args, kernel=refuse)
     assert torch.equal(args["cache"], before)
     src = args[name]
     for row in range(3):
         src[row] = 0                                             # finite again: stored
-    getattr(hip_kernels, op)(**args, options=refuse)
+    getattr(hip_kernels, op)(**args, kernel=refuse)
     assert not torch.equal(args["cache"], before)

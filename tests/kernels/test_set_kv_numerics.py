@@ -14,7 +14,7 @@ import torch
 import hip_kernels
 from hip_kernels import KernelOptions
 from hip_kernels import kv_layout as L
-from hip_kernels.platform import default_device
+from hip_kernels.platform import DIALECTS, default_device
 from kv_inputs import bf16_rows, clone_args, gen, indexer_cache, norm_rope_args, to_device
 
 DEV = default_device()
@@ -28,12 +28,11 @@ except ImportError:  # no triton here: the triton cases skip
     pass
 
 
-def use_backend(flag_env, backend, dialect) -> KernelOptions:
-    """The options that run `backend`, with `dialect` as the platform's fp8 dialect."""
+def use_backend(backend, dialect) -> KernelOptions:
+    """The KernelOptions that run `backend`, with caches in the fp8 `dialect`."""
     if backend == "triton":
         pytest.importorskip("triton")
-    flag_env(DSV4_FP8_DIALECT=dialect)
-    return KernelOptions(backend=backend)
+    return KernelOptions(backend=backend, fp8_dialect=DIALECTS[dialect])
 
 
 def bf16(x: np.ndarray) -> np.ndarray:
@@ -73,13 +72,13 @@ def assert_within(got, want, tol, what):
 
 @pytest.mark.parametrize("dialect", ["fnuz", "ocp"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_norm_rope_store_numerics(flag_env, backend, dialect):
-    options = use_backend(flag_env, backend, dialect)
+def test_norm_rope_store_numerics(backend, dialect):
+    kernel = use_backend(backend, dialect)
     page_size, n = 64, 16
     args = clone_args(norm_rope_args(11, n, page_size, 3, heads=2))
     q_in = args["q"].float().numpy()
     on_dev = to_device(args, DEV)
-    hip_kernels.fused_k_norm_rope_store(**on_dev, options=options)
+    hip_kernels.fused_k_norm_rope_store(**on_dev, kernel=kernel)
     args = to_device(on_dev, "cpu")
 
     keep = args["out_loc"] >= 0
@@ -89,7 +88,7 @@ def test_norm_rope_store_numerics(flag_env, backend, dialect):
     cos, sin = f.real.numpy(), f.imag.numpy()
     y = args["weight"].float().numpy() * (x * rms_fp32(x, args["eps"]))
 
-    d = hip_kernels.fp8_dialect()
+    d = kernel.fp8_dialect
     got = hip_kernels.read_kv_rows(args["cache"], loc, page_size, d).numpy()
     _, scale_bytes = L.read_kv_bytes(args["cache"], loc, page_size)
     scale = 2.0 ** (scale_bytes[:, :L.N_TILES].numpy().astype(np.int32) - L.UE8M0_BIAS)
@@ -115,16 +114,16 @@ def test_norm_rope_store_numerics(flag_env, backend, dialect):
 
 @pytest.mark.parametrize("dialect", ["fnuz", "ocp"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_indexer_store_numerics(flag_env, backend, dialect):
-    options = use_backend(flag_env, backend, dialect)
+def test_indexer_store_numerics(backend, dialect):
+    kernel = use_backend(backend, dialect)
     page_size, n = 64, 12
     k = bf16_rows(gen(4), n, L.INDEX_DIM)
     cache = indexer_cache(2, page_size)
     loc = torch.randperm(2 * page_size, generator=gen(5))[:n]
     on_dev = to_device(dict(k=k, cache=cache, out_loc=loc, page_size=page_size), DEV)
-    hip_kernels.indexer_store(**on_dev, options=options)
+    hip_kernels.indexer_store(**on_dev, kernel=kernel)
     cache = on_dev["cache"].cpu()
-    d = hip_kernels.fp8_dialect()
+    d = kernel.fp8_dialect
     got = hip_kernels.read_indexer_rows(cache, loc, page_size, d).numpy()
     kf = k.float().numpy()
     scale = np.maximum(np.abs(kf).max(-1, keepdims=True), L.AMAX_FLOOR) / d.max

@@ -32,33 +32,36 @@ VARIANTS = {
 }
 
 
-def run(flag_env, backend, dialect, op, args, numerics):
-    flag_env(DSV4_FP8_DIALECT=dialect)
+def kernel_for(backend: str, dialect: str) -> KernelOptions:
+    return KernelOptions(backend=backend, fp8_dialect=DIALECTS[dialect])
+
+
+def run(backend, dialect, op, args, numerics):
     assert resolve(op, DEV, backend, hip_ok=numerics.is_default) == backend
     a = to_device(clone_args(args), DEV)
-    getattr(hip_kernels, op)(**a, numerics=numerics, options=KernelOptions(backend=backend))
+    getattr(hip_kernels, op)(**a, numerics=numerics, kernel=kernel_for(backend, dialect))
     return to_device(a, "cpu")
 
 
 @pytest.mark.parametrize("name", VARIANTS)
 @pytest.mark.parametrize("dialect", ("fnuz", "ocp"))
-def test_triton_matches_torch_with_host_numerics(flag_env, name, dialect):
+def test_triton_matches_torch_with_host_numerics(name, dialect):
     numerics = VARIANTS[name]
     if numerics.fp8_max is not None and numerics.fp8_max > DIALECTS[dialect].max:
         pytest.skip("fp8_max above this dialect's maximum")
     args = norm_rope_args(seed=7, n=9, page_size=4, pages=4, heads=2)
-    out = {b: run(flag_env, b, dialect, "fused_k_norm_rope_store", args, numerics)
+    out = {b: run(b, dialect, "fused_k_norm_rope_store", args, numerics)
            for b in ("torch", "triton")}
     assert same_bytes(out["torch"]["cache"], out["triton"]["cache"])
     assert same_bytes(out["torch"]["q"], out["triton"]["q"])
     rows = args["kv"][:, :L.HEAD_DIM].contiguous()
     store = dict(rows=rows, cache=kv_cache(4, 4), out_loc=args["out_loc"], page_size=4)
-    out = {b: run(flag_env, b, dialect, "fused_store_cache", store, numerics)
+    out = {b: run(b, dialect, "fused_store_cache", store, numerics)
            for b in ("torch", "triton")}
     assert same_bytes(out["torch"]["cache"], out["triton"]["cache"])
 
 
-def test_unrounded_rows_are_quantized_from_fp32(flag_env):
+def test_unrounded_rows_are_quantized_from_fp32():
     """round_to_bf16=False: the quantized values are the fp32 norm output, not its bf16 rounding
     (on random rows some fp8 bytes must differ between the two)."""
     args = norm_rope_args(seed=3, n=16, page_size=16, pages=1)
@@ -67,12 +70,12 @@ def test_unrounded_rows_are_quantized_from_fp32(flag_env):
     caches = {}
     for numerics in (N.DEFAULT_NUMERICS, HOST):
         a = clone_args(args)
-        hip_kernels.fused_k_norm_rope_store(**a, numerics=numerics, options=TORCH)
+        hip_kernels.fused_k_norm_rope_store(**a, numerics=numerics, kernel=TORCH)
         caches[numerics.round_to_bf16] = a["cache"]
     x = args["kv"][:, :L.HEAD_DIM].double()
     y = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6) * args["weight"].double()
     for rounded, cache in caches.items():
-        got = L.read_kv_rows(cache, loc, 16)[:, :L.NOPE_DIM]
+        got = L.read_kv_rows(cache, loc, 16, TORCH.fp8_dialect)[:, :L.NOPE_DIM]
         want = y[:, :L.NOPE_DIM]
         # e4m3 keeps 3 mantissa bits: within 2^-4 relative (plus bf16's 2^-8 when rounded first)
         bound = want.abs() * (2 ** -4 + 2 ** -8) + 1e-3
@@ -82,11 +85,10 @@ def test_unrounded_rows_are_quantized_from_fp32(flag_env):
 
 
 @pytest.mark.parametrize("fp8_max, floor", [(224.0, 1e-4), (240.0, 1e-8)])
-def test_fp8_max_and_amax_floor(flag_env, fp8_max, floor):
+def test_fp8_max_and_amax_floor(fp8_max, floor):
     """Each tile's scale is 2^ceil(log2(max(amax, floor) / fp8_max)) and no value exceeds fp8_max
     (fnuz). A tile of tiny values shows the floor; a tile holding exactly fp8_max * 2^k shows
     the maximum."""
-    flag_env(DSV4_FP8_DIALECT="fnuz")
     numerics = N.StoreNumerics(fp8_max=fp8_max, amax_floor=floor)
     rows = torch.zeros(2, L.HEAD_DIM)
     rows[0, :64] = 1e-7                      # tile 0: amax below both floors
@@ -103,13 +105,13 @@ def test_fp8_max_and_amax_floor(flag_env, fp8_max, floor):
     assert nope[0, 64:128].float().eq(fp8_max).all()
 
 
-def test_q_rope_only_rotates_the_tail_of_every_row(flag_env):
+def test_q_rope_only_rotates_the_tail_of_every_row():
     """q_rope_only: dims 0..447 of q untouched (no norm), dims 448..511 rotated with the
     fma rounding, also for rows whose location is negative (they write no KV)."""
     args = norm_rope_args(seed=11, n=6, page_size=4, pages=2, heads=3)
     args["out_loc"] = torch.tensor([0, -1, 5, -1, 7, 2])
     a = clone_args(args)
-    hip_kernels.fused_k_norm_rope_store(**a, numerics=HOST, options=TORCH)
+    hip_kernels.fused_k_norm_rope_store(**a, numerics=HOST, kernel=TORCH)
     q0, q1 = args["q"], a["q"]
     assert same_bytes(q1[..., :L.NOPE_DIM], q0[..., :L.NOPE_DIM])
     f = args["freqs_cis"][args["positions"].long()]
@@ -121,22 +123,21 @@ def test_q_rope_only_rotates_the_tail_of_every_row(flag_env):
     assert same_bytes(q1[..., L.NOPE_DIM:], want)
 
 
-def test_bad_numerics_are_refused_before_a_write(flag_env):
-    flag_env(DSV4_FP8_DIALECT="fnuz")
+def test_bad_numerics_are_refused_before_a_write():
     args = norm_rope_args(seed=1, n=2, page_size=4, pages=1)
     before = args["cache"].clone()
     with pytest.raises(ValueError, match="fp8_max=448.0 exceeds the fnuz fp8 maximum 240"):
         hip_kernels.fused_k_norm_rope_store(**args, numerics=N.StoreNumerics(fp8_max=448.0),
-                                            options=TORCH)
+                                            kernel=kernel_for("torch", "fnuz"))
     with pytest.raises(TypeError, match="numerics must be a hip_kernels.StoreNumerics"):
         hip_kernels.fused_store_cache(args["kv"], args["cache"], args["out_loc"], 4, numerics={},
-                                      options=TORCH)
+                                      kernel=TORCH)
     assert same_bytes(args["cache"], before)
     with pytest.raises(ValueError, match="amax_floor must be > 0"):
         N.StoreNumerics(amax_floor=0.0)
 
 
-def test_hip_runs_only_what_it_covers(flag_env, monkeypatch):
+def test_hip_runs_only_what_it_covers(monkeypatch):
     """The HIP C++ kernels take the default numerics, a norm weight and a contiguous cache:
     other calls resolve to Triton."""
     import hip_kernels.backend as B
@@ -168,34 +169,33 @@ VLLM_LIKE = N.StoreNumerics(q_mode="norm_rope_fp32")
 
 
 @pytest.mark.parametrize("dialect", ("fnuz", "ocp"))
-def test_strided_pages_without_kv_norm(flag_env, dialect):
+def test_strided_pages_without_kv_norm(dialect):
     """weight=None (kv arrives normalized) into a cache whose pages are stride(0) bytes apart:
     Triton and torch agree byte for byte, every row lands where a contiguous cache has it, and
     the bytes between pages are never written."""
     args = norm_rope_args(seed=21, n=10, page_size=4, pages=4, heads=2)
     args["weight"] = None
     base, q = {}, {}
-    flag_env(DSV4_FP8_DIALECT=dialect)
     for backend in ("torch", "triton"):
         view, pages = strided_cache(4, 4, gap=2 * 576, device=DEV)
         a = dict(to_device(clone_args(args), DEV), cache=view)
         hip_kernels.fused_k_norm_rope_store(**a, numerics=VLLM_LIKE,
-                                            options=KernelOptions(backend=backend))
+                                            kernel=kernel_for(backend, dialect))
         base[backend], q[backend] = pages.cpu(), a["q"].cpu()
     assert same_bytes(base["torch"], base["triton"])
     assert same_bytes(q["torch"], q["triton"])
     assert (base["torch"][:, 4 * L.TOKEN_BYTES:] == SENTINEL).all()
-    ref = run(flag_env, "torch", dialect, "fused_k_norm_rope_store", args, VLLM_LIKE)
+    ref = run("torch", dialect, "fused_k_norm_rope_store", args, VLLM_LIKE)
     assert same_bytes(ref["cache"][:, :4 * L.TOKEN_BYTES], base["torch"][:, :4 * L.TOKEN_BYTES])
 
 
-def test_no_kv_norm_stores_the_rotated_input(flag_env):
+def test_no_kv_norm_stores_the_rotated_input():
     """weight=None: the stored row is kv itself with dims 448..511 rotated (fp32, one bf16
     rounding), quantized as the layout says (independent encoder, byte-exact)."""
     args = norm_rope_args(seed=4, n=5, page_size=8, pages=1)
     args.update(weight=None, out_loc=torch.tensor([0, 3, 7, -1, 5]))
     a = clone_args(args)
-    hip_kernels.fused_k_norm_rope_store(**a, options=TORCH)
+    hip_kernels.fused_k_norm_rope_store(**a, kernel=TORCH)
     f = args["freqs_cis"][args["positions"].long()]
     cos, sin = f.real.numpy(), f.imag.numpy()
     rows = args["kv"][:, :L.HEAD_DIM].float().numpy().copy()
@@ -206,14 +206,14 @@ def test_no_kv_norm_stores_the_rotated_input(flag_env):
     assert (a["cache"].numpy() == want).all()
 
 
-def test_q_norm_rope_fp32_rounds_once(flag_env):
+def test_q_norm_rope_fp32_rounds_once():
     """q_mode norm_rope_fp32: weightless RMSNorm and RoPE in fp32, one bf16 rounding (an
     independent numpy restatement, bit-exact); differs from the default's two roundings."""
     args = norm_rope_args(seed=9, n=6, page_size=4, pages=2, heads=3)
     outs = {}
     for numerics in (VLLM_LIKE, N.DEFAULT_NUMERICS):
         a = clone_args(args)
-        hip_kernels.fused_k_norm_rope_store(**a, numerics=numerics, options=TORCH)
+        hip_kernels.fused_k_norm_rope_store(**a, numerics=numerics, kernel=TORCH)
         outs[numerics.q_mode] = a["q"]
     q = args["q"].float().numpy()
     ss = (q.astype("float64") ** 2).sum(-1, keepdims=True)
@@ -229,7 +229,7 @@ def test_q_norm_rope_fp32_rounds_once(flag_env):
 
 
 @pytest.mark.parametrize("dialect", ("fnuz", "ocp"))
-def test_triton_follows_the_reference_numerics(flag_env, dialect):
+def test_triton_follows_the_reference_numerics(dialect):
     """REFERENCE_NUMERICS (rms "device": fp32 mean of squares; q_mode "bf16_norm_rope": the q
     norm op by op in bf16): Triton writes the torch path's cache bytes on these rows (their fp32
     sums of squares come out the same in both orders) and q exactly as the op-by-op oracle;
@@ -237,11 +237,11 @@ def test_triton_follows_the_reference_numerics(flag_env, dialect):
     from reference_numerics_oracle import check_q
 
     args = norm_rope_args(seed=11, n=24, page_size=8, pages=4, heads=4)
-    out = {b: run(flag_env, b, dialect, "fused_k_norm_rope_store", args, N.REFERENCE_NUMERICS)
+    out = {b: run(b, dialect, "fused_k_norm_rope_store", args, N.REFERENCE_NUMERICS)
            for b in ("torch", "triton")}
     assert same_bytes(out["torch"]["cache"], out["triton"]["cache"])
     check_q(out["triton"]["q"], args, 64, out["torch"]["q"])
-    default = run(flag_env, "triton", dialect, "fused_k_norm_rope_store", args,
+    default = run("triton", dialect, "fused_k_norm_rope_store", args,
                   N.DEFAULT_NUMERICS)
     assert not same_bytes(default["q"], out["triton"]["q"])   # the modes are told apart
 

@@ -11,7 +11,7 @@ import hip_kernels
 from hip_kernels import KernelOptions
 from hip_kernels import kv_layout as L
 from hip_kernels.backend import resolve
-from hip_kernels.platform import default_device
+from hip_kernels.platform import OCP, default_device
 from kv_inputs import (SENTINEL, bf16_rows, clone_args, gen, kv_cache, norm_rope_args, same_bytes,
                        to_device)
 
@@ -32,13 +32,12 @@ STORE_OPS = ("fused_store_cache", "store_kv_pack", "fused_k_norm_rope_store",
 
 
 def store_args(op: str, seed: int = 5) -> dict:
-    """Keyword arguments of `op` (cache left out) writing len(SLOTS) rows at SLOTS."""
+    """Keyword arguments of `op` (cache left out) writing len(SLOTS) rows at SLOTS (OCP fp8)."""
     g, n = gen(seed), len(SLOTS)
     if op == "fused_store_cache":
         return dict(rows=bf16_rows(g, n, L.HEAD_DIM, pad=64), out_loc=SLOTS, page_size=P)
     if op == "store_kv_pack":
-        nope, rope, scales = L.quantize_kv_rows(bf16_rows(g, n, L.HEAD_DIM),
-                                                hip_kernels.fp8_dialect())
+        nope, rope, scales = L.quantize_kv_rows(bf16_rows(g, n, L.HEAD_DIM), OCP)
         return dict(nope_fp8=nope, rope_bf16=rope, scales=scales, out_loc=SLOTS, page_size=P)
     args = norm_rope_args(seed, n, P, PAGES, heads=2 if op == "fused_k_norm_rope_store" else 0)
     del args["cache"]
@@ -58,24 +57,23 @@ def store_args(op: str, seed: int = 5) -> dict:
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("op", STORE_OPS)
 def test_a_strided_cache_view_gets_the_bytes_of_a_contiguous_cache_and_no_gap_byte(
-        flag_env, backend, op):
+        backend, op):
     """A host engine may hand a view of the used P*584 bytes of pages that lie further apart
     than page_bytes(P). Written through such a view, every page holds byte for byte what a
     contiguous cache holds after the same call, and no byte after the used part of a page (its
     padding and the gap to the next page) changes. Locations on every page, at both ends of
     each, make a wrong page stride or a wrong scale offset visible. (test_set_kv_store_numerics
     covers fused_k_norm_rope_store without a norm weight this way; this covers every store.)"""
-    flag_env(DSV4_FP8_DIALECT="ocp")
-    options = KernelOptions(backend=backend)
+    kernel = KernelOptions(backend=backend, fp8_dialect=OCP)
     assert resolve(op, DEV, backend, hip_ok=False) == backend
     args = store_args(op)
     dense = to_device(dict(clone_args(args), cache=kv_cache(PAGES, P)), DEV)
-    getattr(hip_kernels, op)(**dense, options=options)
+    getattr(hip_kernels, op)(**dense, kernel=kernel)
     base = torch.full((PAGES, L.page_bytes(P) + GAP), SENTINEL, dtype=torch.uint8, device=DEV)
     view = base[:, :USED]
     assert not view.is_contiguous() and view.stride(0) == L.page_bytes(P) + GAP
     strided = to_device(dict(clone_args(args), cache=view), DEV)
-    getattr(hip_kernels, op)(**strided, options=options)
+    getattr(hip_kernels, op)(**strided, kernel=kernel)
     dense_cache, base = dense["cache"].cpu(), base.cpu()
     assert (dense_cache[:, :USED] != SENTINEL).any(1).all()     # rows landed on every page
     assert same_bytes(base[:, :USED], dense_cache[:, :USED])

@@ -20,6 +20,7 @@ from hip_kernels import KernelOptions  # noqa: E402
 from hip_kernels import kv_layout as L  # noqa: E402
 from hip_kernels import numerics as N  # noqa: E402
 from hip_kernels.backend import resolve  # noqa: E402
+from hip_kernels import platform as P  # noqa: E402
 from hip_kernels.platform import default_device  # noqa: E402
 from kv_inputs import (SENTINEL, bf16_rows, clone_args, gen, indexer_cache, kv_cache,  # noqa: E402
                        locations, norm_rope_args, same_bytes, strided, to_device)
@@ -31,14 +32,18 @@ DEV = default_device()
 DIALECTS = ("fnuz", "ocp") if DEV.type == "cpu" or torch.version.hip else ("ocp",)
 
 
-def run_backends(flag_env, dialect, op, args):
+def kernel_for(backend: str, dialect: str, **kw) -> KernelOptions:
+    """The KernelOptions that run `backend` with caches in `dialect` ("fnuz" or "ocp")."""
+    return KernelOptions(backend=backend, fp8_dialect=P.DIALECTS[dialect], **kw)
+
+
+def run_backends(dialect, op, args):
     """{backend: the op's arguments after running it} for the torch and triton backends."""
     results = {}
-    flag_env(DSV4_FP8_DIALECT=dialect)
     for backend in ("torch", "triton"):
         assert resolve(op, DEV, backend) == backend
         a = to_device(clone_args(args), DEV)
-        getattr(hip_kernels, op)(**a, options=KernelOptions(backend=backend))
+        getattr(hip_kernels, op)(**a, kernel=kernel_for(backend, dialect))
         results[backend] = to_device(a, "cpu")
     return results
 
@@ -93,11 +98,11 @@ def case_id(case):
 
 @pytest.mark.parametrize("dialect", DIALECTS)
 @pytest.mark.parametrize("case", NORM_ROPE_CASES, ids=case_id)
-def test_fused_k_norm_rope_store(flag_env, dialect, case):
+def test_fused_k_norm_rope_store(dialect, case):
     page_size, n, heads, loc_dtype, weight_dtype, index_stride = case
     args = norm_rope_args(n * 7 + page_size, n, page_size, pages_for(n, page_size), heads,
                           loc_dtype, weight_dtype, index_stride)
-    res = run_backends(flag_env, dialect, "fused_k_norm_rope_store", args)
+    res = run_backends(dialect, "fused_k_norm_rope_store", args)
     assert_same(res, "cache", *(("q",) if heads else ()))
     assert_only_rows_written(res["triton"]["cache"], args["out_loc"], page_size, kv_regions)
     assert same_bytes(res["triton"]["kv"], args["kv"]), "kv was modified"
@@ -126,10 +131,10 @@ def translate_args(seed, n, page_size, map_dtype, with_out, index_stride):
 @pytest.mark.parametrize("dialect", DIALECTS)
 @pytest.mark.parametrize("page_size,n,map_dtype,with_out,index_stride", [
     (64, 16, torch.int32, True, 1), (2, 9, torch.int64, False, 1), (1, 4, torch.int32, True, 2)])
-def test_fused_translate_norm_rope_store(flag_env, dialect, page_size, n, map_dtype, with_out,
+def test_fused_translate_norm_rope_store(dialect, page_size, n, map_dtype, with_out,
                                          index_stride):
     args = translate_args(n + page_size, n, page_size, map_dtype, with_out, index_stride)
-    res = run_backends(flag_env, dialect, "fused_translate_norm_rope_store", args)
+    res = run_backends(dialect, "fused_translate_norm_rope_store", args)
     assert_same(res, "cache", *(("swa_loc_out",) if with_out else ()))
     full = args["full_loc"].long()
     swa = torch.where(full >= 0, args["full_to_swa"][full.clamp_min(0)].long(), -1)
@@ -157,13 +162,13 @@ def fp8_tie_rows(n, g):
 
 @pytest.mark.parametrize("dialect", DIALECTS)
 @pytest.mark.parametrize("page_size,n", [(1, 3), (2, 8), (64, 24), (128, 40), (256, 64)])
-def test_fused_store_cache(flag_env, dialect, page_size, n):
+def test_fused_store_cache(dialect, page_size, n):
     g = gen(page_size + n)
     args = dict(rows=fp8_tie_rows(n, g), cache=kv_cache(pages_for(n, page_size), page_size),
                 out_loc=locations(g, n, pages_for(n, page_size) * page_size,
                                   torch.int32 if n % 2 else torch.int64),
                 page_size=page_size)
-    res = run_backends(flag_env, dialect, "fused_store_cache", args)
+    res = run_backends(dialect, "fused_store_cache", args)
     assert_same(res, "cache")
     assert_only_rows_written(res["triton"]["cache"], args["out_loc"], page_size, kv_regions)
 
@@ -171,7 +176,7 @@ def test_fused_store_cache(flag_env, dialect, page_size, n):
 @pytest.mark.skipif(DEV.type != "cpu", reason="the interpreter's own casts")
 @pytest.mark.parametrize("dialect", DIALECTS)
 @pytest.mark.parametrize("op", ["fused_store_cache", "indexer_store"])
-def test_fp8_rounding_does_not_depend_on_the_interpreters_cast(flag_env, dialect, op):
+def test_fp8_rounding_does_not_depend_on_the_interpreters_cast(dialect, op):
     """Every bf16 value the fp8 conversion can see (ties, subnormals, -0), and indexer keys,
     store torch's bytes under the interpreter as Triton ships it (it rounds halves up)."""
     if op == "fused_store_cache":
@@ -181,22 +186,21 @@ def test_fp8_rounding_does_not_depend_on_the_interpreters_cast(flag_env, dialect
         args = dict(k=fp8_tie_rows(24, g)[:, :L.INDEX_DIM].contiguous(),
                     cache=indexer_cache(1, 64), out_loc=locations(g, 24, 64), page_size=64)
     with unshimmed():
-        assert_same(run_backends(flag_env, dialect, op, args), "cache")
+        assert_same(run_backends(dialect, op, args), "cache")
 
 
 @pytest.mark.parametrize("dialect", DIALECTS)
 @pytest.mark.parametrize("page_size,n", [(1, 3), (64, 12), (256, 33)])
-def test_store_kv_pack(flag_env, dialect, page_size, n):
-    flag_env(DSV4_FP8_DIALECT=dialect)
+def test_store_kv_pack(dialect, page_size, n):
     g = gen(n)
-    nope, rope, scales = L.quantize_kv_rows(bf16_rows(g, n, L.HEAD_DIM), hip_kernels.fp8_dialect())
+    nope, rope, scales = L.quantize_kv_rows(bf16_rows(g, n, L.HEAD_DIM), P.DIALECTS[dialect])
     pages = pages_for(n, page_size)
     wide_nope = torch.zeros(n, L.NOPE_DIM + 64, dtype=torch.uint8)
     wide_nope[:, 16:16 + L.NOPE_DIM] = nope.view(torch.uint8)
     args = dict(nope_fp8=wide_nope[:, 16:16 + L.NOPE_DIM].view(nope.dtype), rope_bf16=rope,
                 scales=scales, cache=kv_cache(pages, page_size),
                 out_loc=locations(g, n, pages * page_size), page_size=page_size)
-    res = run_backends(flag_env, dialect, "store_kv_pack", args)
+    res = run_backends(dialect, "store_kv_pack", args)
     assert_same(res, "cache")
     assert_only_rows_written(res["triton"]["cache"], args["out_loc"], page_size, kv_regions)
 
@@ -204,42 +208,41 @@ def test_store_kv_pack(flag_env, dialect, page_size, n):
 @pytest.mark.parametrize("dialect", DIALECTS)
 @pytest.mark.parametrize("page_size,n,dtype", [
     (1, 3, torch.float32), (64, 20, torch.bfloat16), (256, 7, torch.float16)])
-def test_indexer_store(flag_env, dialect, page_size, n, dtype):
+def test_indexer_store(dialect, page_size, n, dtype):
     g = gen(n)
     pages = pages_for(n, page_size)
     args = dict(k=bf16_rows(g, n, L.INDEX_DIM, pad=32).to(dtype),
                 cache=indexer_cache(pages, page_size),
                 out_loc=locations(g, n, pages * page_size, torch.int32), page_size=page_size)
-    res = run_backends(flag_env, dialect, "indexer_store", args)
+    res = run_backends(dialect, "indexer_store", args)
     assert_same(res, "cache")
     assert_only_rows_written(res["triton"]["cache"], args["out_loc"], page_size, indexer_regions)
 
 
 @pytest.mark.parametrize("dialect", DIALECTS)
-def test_all_rows_skipped_write_nothing(flag_env, dialect):
-    flag_env(DSV4_FP8_DIALECT=dialect)
-    triton = KernelOptions(backend="triton")
+def test_all_rows_skipped_write_nothing(dialect):
+    triton = kernel_for("triton", dialect)
     args = norm_rope_args(3, 6, 64, 2, heads=1)
     args["out_loc"][:] = -1
     a = to_device(clone_args(args), DEV)
-    hip_kernels.fused_k_norm_rope_store(**a, options=triton)
+    hip_kernels.fused_k_norm_rope_store(**a, kernel=triton)
     assert bool((a["cache"] == SENTINEL).all())
     assert not same_bytes(a["q"].cpu(), args["q"]), "q is normalized even for skipped rows"
     rows = bf16_rows(gen(1), 6, L.HEAD_DIM).to(DEV)
     skip = torch.full((6,), -1, device=DEV)
     cache, icache = kv_cache(2, 64).to(DEV), indexer_cache(2, 64).to(DEV)
-    hip_kernels.fused_store_cache(rows, cache, skip, 64, options=triton)
+    hip_kernels.fused_store_cache(rows, cache, skip, 64, kernel=triton)
     hip_kernels.indexer_store(rows[:, :L.INDEX_DIM].contiguous(), icache, skip, 64,
-                              options=triton)
+                              kernel=triton)
     assert bool((cache == SENTINEL).all()) and bool((icache == SENTINEL).all())
 
 
 @pytest.mark.parametrize("dialect", DIALECTS)
-def test_empty_batch(flag_env, dialect):
+def test_empty_batch(dialect):
     args = norm_rope_args(0, 1, 1, 2, heads=1)
     args = {k: v[:0] if isinstance(v, torch.Tensor) and k not in ("cache", "weight", "freqs_cis")
             else v for k, v in args.items()}
-    res = run_backends(flag_env, dialect, "fused_k_norm_rope_store", args)
+    res = run_backends(dialect, "fused_k_norm_rope_store", args)
     assert bool((res["triton"]["cache"] == SENTINEL).all())
 
 
@@ -251,7 +254,7 @@ def test_triton_backend_on_cpu_needs_the_interpreter():
     code = ("import torch, hip_kernels as hk\n"
             "try:\n    hk.fused_store_cache(torch.zeros(1, 512, dtype=torch.bfloat16),"
             " torch.zeros(1, 1152, dtype=torch.uint8), torch.tensor([0]), 1,"
-            " options=hk.KernelOptions(backend='triton'))\n"
+            " kernel=hk.KernelOptions(backend='triton'))\n"
             "except Exception as e:\n    print(type(e).__name__, e)\n")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=120)
@@ -260,12 +263,11 @@ def test_triton_backend_on_cpu_needs_the_interpreter():
 
 @pytest.mark.parametrize("op", ["fused_k_norm_rope_store", "fused_store_cache",
                                 "fused_translate_norm_rope_store"])
-def test_slots_past_the_cache_are_masked_in_the_kernel(flag_env, op):
+def test_slots_past_the_cache_are_masked_in_the_kernel(op):
     """value_checks=False: nothing checks the slots on the host, and a slot past the
     cache (or a full location past the map) still writes nothing, in Triton as in torch."""
     from set_kv_cases import make_case
 
-    flag_env(DSV4_FP8_DIALECT=DIALECTS[0])
     args = make_case(op, 3, 6, 4, 2, 0, torch.int64, torch.bfloat16)
     # the cache is the first 2 of 3 pages: an unmasked write to slot 8 would land in the third
     base = torch.full((3, L.page_bytes(4)), 0x5A, dtype=torch.uint8, device=DEV)
@@ -279,7 +281,7 @@ def test_slots_past_the_cache_are_masked_in_the_kernel(flag_env, op):
     for backend in ("torch", "triton"):
         base[:] = 0x5A
         a = dict(to_device(clone_args(args), DEV), cache=base[:2])
-        getattr(hip_kernels, op)(**a, options=KernelOptions(backend=backend, value_checks=False))
+        getattr(hip_kernels, op)(**a, kernel=kernel_for(backend, DIALECTS[0], value_checks=False))
         assert (base[2] == 0x5A).all(), f"{backend} wrote past the cache"
         results[backend] = dict(to_device(a, "cpu"), cache=base[:2].clone().cpu())
     assert_same(results, *[k for k in ("cache", "swa_loc_out") if k in args])
@@ -287,7 +289,7 @@ def test_slots_past_the_cache_are_masked_in_the_kernel(flag_env, op):
 
 
 @pytest.mark.parametrize("dialect", DIALECTS)
-def test_indexer_store_with_power_of_two_scales_reads_fp4_keys_back_exactly(flag_env, dialect):
+def test_indexer_store_with_power_of_two_scales_reads_fp4_keys_back_exactly(dialect):
     """pow2_scale=True (the model's indexer keys): FP4-simulated keys, e2m1 values times a
     power of two per 32-wide block, spanning 2^-20..2^20, are read back bit for bit, torch and
     Triton write the same bytes, and every stored scale is a power of two. The default scale
@@ -302,24 +304,24 @@ def test_indexer_store_with_power_of_two_scales_reads_fp4_keys_back_exactly(flag
     loc = torch.randperm(2 * page_size, generator=g)[:n]
     args = dict(k=k, cache=indexer_cache(2, page_size), out_loc=loc, page_size=page_size,
                 pow2_scale=True)
-    res = run_backends(flag_env, dialect, "indexer_store", args)
+    res = run_backends(dialect, "indexer_store", args)
     assert_same(res, "cache")
     cache = res["triton"]["cache"]
-    got = L.read_indexer_rows(cache, loc, page_size, hip_kernels.fp8_dialect())
+    got = L.read_indexer_rows(cache, loc, page_size, P.DIALECTS[dialect])
     assert torch.equal(got, k.float())
     base = (loc // page_size) * L.indexer_page_bytes(page_size) + page_size * L.INDEX_DIM
     at = (base + loc % page_size * 4)[:, None] + torch.arange(4)
     scale = cache.view(-1)[at].contiguous().view(torch.float32).flatten()
     assert torch.equal(torch.frexp(scale).mantissa, torch.full_like(scale, 0.5))
     plain = to_device(clone_args({**args, "pow2_scale": False}), DEV)
-    hip_kernels.indexer_store(**plain)
-    lossy = L.read_indexer_rows(plain["cache"].cpu(), loc, page_size, hip_kernels.fp8_dialect())
+    hip_kernels.indexer_store(**plain, kernel=kernel_for("auto", dialect))
+    lossy = L.read_indexer_rows(plain["cache"].cpu(), loc, page_size, P.DIALECTS[dialect])
     assert not torch.equal(lossy, k.float())
 
 
 @pytest.mark.parametrize("numerics", [N.DEFAULT_NUMERICS, N.REFERENCE_NUMERICS],
                          ids=["default", "reference"])
-def test_translate_with_q_stores_what_the_plain_store_does(flag_env, numerics):
+def test_translate_with_q_stores_what_the_plain_store_does(numerics):
     """The translating op with q and numerics: Triton writes the bytes and the q that its plain
     store writes at the translated slots; with the default numerics the torch reference too."""
     args = translate_args(5, 9, 2, torch.int64, True, 1)
@@ -332,10 +334,10 @@ def test_translate_with_q_stores_what_the_plain_store_does(flag_env, numerics):
     plain["out_loc"] = torch.where(swa > 0, swa, -1)
     got, want = {}, {}
     for backend in ("torch", "triton"):
-        options = KernelOptions(backend=backend)
+        kernel = KernelOptions(backend=backend)
         a, p = to_device(clone_args(args), DEV), to_device(clone_args(plain), DEV)
-        hip_kernels.fused_translate_norm_rope_store(**a, numerics=numerics, options=options)
-        hip_kernels.fused_k_norm_rope_store(**p, numerics=numerics, options=options)
+        hip_kernels.fused_translate_norm_rope_store(**a, numerics=numerics, kernel=kernel)
+        hip_kernels.fused_k_norm_rope_store(**p, numerics=numerics, kernel=kernel)
         got[backend], want[backend] = to_device(a, "cpu"), to_device(p, "cpu")
         for name in ("cache", "q"):
             assert same_bytes(got[backend][name], want[backend][name]), (backend, name)

@@ -17,7 +17,7 @@ import triton.language as tl  # noqa: E402
 import hip_kernels  # noqa: E402
 from hip_kernels import KernelOptions  # noqa: E402
 from hip_kernels import kv_layout as L  # noqa: E402
-from hip_kernels.platform import default_device  # noqa: E402
+from hip_kernels.platform import FNUZ, default_device  # noqa: E402
 from hip_kernels.triton_kv_row import (indexer_offsets, kv_scale_offset,  # noqa: E402
                                        kv_value_offset)
 from kv_inputs import bf16_rows, clone_args, gen, norm_rope_args, to_device  # noqa: E402
@@ -92,13 +92,12 @@ def far_locations(page_size, page_bytes, capacity, dtype):
 
 @pytest.mark.parametrize("op,loc_dtype", [("fused_k_norm_rope_store", torch.int32),
                                           ("indexer_store", torch.int64)])
-def test_kernels_write_past_4gib(flag_env, op, loc_dtype):
+def test_kernels_write_past_4gib(op, loc_dtype):
     page_size = 256 if op == "fused_k_norm_rope_store" else 64
     layout_bytes = L.page_bytes if op == "fused_k_norm_rope_store" else L.indexer_page_bytes
     page_bytes = layout_bytes(page_size)
     results = {}
     for backend in ("torch", "triton"):
-        flag_env(DSV4_FP8_DIALECT="fnuz")
         keep, cache = huge_zero_cache(page_size, TWO_32, page_bytes)
         loc = far_locations(page_size, page_bytes, cache.shape[0] * page_size, loc_dtype)
         if op == "fused_k_norm_rope_store":
@@ -108,7 +107,7 @@ def test_kernels_write_past_4gib(flag_env, op, loc_dtype):
         else:
             args = dict(k=bf16_rows(gen(5), len(loc), L.INDEX_DIM).to(DEV), cache=cache,
                         out_loc=loc.to(DEV), page_size=page_size)
-        getattr(hip_kernels, op)(**args, options=KernelOptions(backend=backend))
+        getattr(hip_kernels, op)(**args, kernel=KernelOptions(backend=backend, fp8_dialect=FNUZ))
         results[backend] = written_pages(cache, loc, page_size)
         del keep, cache, args
     torch_pages, triton_pages = results["torch"], results["triton"]

@@ -23,7 +23,8 @@ ARCH = "gfx942"
 
 def pack_args():
     g = gen(3)
-    nope, rope, scales = L.quantize_kv_rows(bf16_rows(g, 4, L.HEAD_DIM), hip_kernels.fp8_dialect())
+    nope, rope, scales = L.quantize_kv_rows(bf16_rows(g, 4, L.HEAD_DIM),
+                                            KernelOptions().fp8_dialect)
     return dict(nope_fp8=nope, rope_bf16=rope, scales=scales, cache=kv_cache(2, 4),
                 out_loc=locations(g, 4, 8), page_size=4)
 
@@ -74,7 +75,7 @@ def test_set_kv_launch_uses_the_aot_reports_options(monkeypatch, op):
     recorder = LaunchRecorder()
     monkeypatch.setattr(K, kernel_name, recorder)
     getattr(hip_kernels, op)(**to_device(make_args(), default_device()),
-                             options=KernelOptions(backend="triton"))
+                             kernel=KernelOptions(backend="triton"))
     ((_, kwargs),) = recorder.launches
     launched = {k: v for k, v in kwargs.items() if k not in kernel.arg_names}
     assert launched.get("enable_fp_fusion") is False

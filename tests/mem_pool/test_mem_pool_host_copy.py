@@ -26,7 +26,7 @@ def test_round_trip_into_other_pages_and_in_page_offsets():
     assert torch.equal(copy.families["c4"].layers[1][0], values)
     assert torch.equal(copy.families["c4"].layers[1][1], scales)
     q, scale = copy.families["indexer"].layers[3]
-    dialect = hip_kernels.fp8_dialect()
+    dialect = hip_kernels.DEFAULT_KERNEL_OPTIONS.fp8_dialect
     dequant = q.view(dialect.torch_dtype).float() * scale.view(torch.float32)
     expected = kv_layout.read_indexer_rows(pool.get_indexer_cache(3), c4_rows, 4, dialect)
     assert torch.equal(dequant.nan_to_num(), expected.nan_to_num())
@@ -174,12 +174,13 @@ def test_int32_locations_whose_indexer_bytes_pass_2_31_round_trip(monkeypatch):
     assert int(dst_row) * kv_layout.INDEX_TOKEN_BYTES > 2 ** 31
     cache, c4_page = pool.get_indexer_cache(0), pool.c4_page_size
     key = torch.linspace(-3, 3, kv_layout.INDEX_DIM).to(torch.bfloat16)[None]
+    dialect = hip_kernels.DEFAULT_KERNEL_OPTIONS.fp8_dialect       # the store's
     hip_kernels.indexer_store(key, cache, src_row, c4_page)
-    stored = kv_layout.read_indexer_rows(cache, src_row, c4_page)
+    stored = kv_layout.read_indexer_rows(cache, src_row, c4_page, dialect)
     assert bool((stored != 0).any())
     copy = pool.get_cpu_copy(src)
     q, scale = copy.families["indexer"].layers[0]
-    dequant = q.view(hip_kernels.fp8_dialect().torch_dtype).float() * scale.view(torch.float32)
+    dequant = q.view(dialect.torch_dtype).float() * scale.view(torch.float32)
     assert torch.equal(dequant, stored)
     pool.load_cpu_copy(copy, dst)
-    assert torch.equal(kv_layout.read_indexer_rows(cache, dst_row, c4_page), stored)
+    assert torch.equal(kv_layout.read_indexer_rows(cache, dst_row, c4_page, dialect), stored)

@@ -140,7 +140,8 @@ def test_a_kernel_stores_into_a_layers_swa_cache_at_the_translated_slots():
     swa_loc = pool.get_cached_swa_loc(al.alloc(16)[3:9], 0)
     rows = _rows(6)
     expected = pool.get_swa_cache(1).clone()
-    nope, rope, scales = kv_layout.quantize_kv_rows(rows)
+    nope, rope, scales = kv_layout.quantize_kv_rows(
+        rows, hip_kernels.DEFAULT_KERNEL_OPTIONS.fp8_dialect)
     kv_layout.write_kv_bytes(expected, swa_loc, 16, *kv_layout.pack_kv_bytes(nope, rope, scales))
     hip_kernels.fused_store_cache(rows, pool.get_swa_cache(1), swa_loc, pool.page_size)
     assert torch.equal(pool.get_swa_cache(1), expected)

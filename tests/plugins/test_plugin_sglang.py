@@ -111,11 +111,13 @@ def test_fused_store_writes_sglangs_bytes(pool):
 
 @pytest.mark.parametrize("dialect, fp8, fp8_max", [("ocp", torch.float8_e4m3fn, 448.0),
                                                     ("fnuz", torch.float8_e4m3fnuz, 224.0)])
-def test_fused_norm_rope_writes_kv_and_ropes_q(pool, flag_env, dialect, fp8, fp8_max):
-    """On gfx942 (fnuz) SGLang's norm+RoPE kernel clamps to 224: so does the plugin."""
+def test_fused_norm_rope_writes_kv_and_ropes_q(pool, dialect, fp8, fp8_max):
+    """On gfx942 (fnuz) SGLang's norm+RoPE kernel clamps to 224: so does the plugin. The hook
+    runs as SGLang calls it, bound to the KernelOptions of a platform of that dialect."""
     from sglang.test.kernels.deepseek_v4.k_cache_reference import dequantize_k_cache_paged_ref
 
-    flag_env(DSV4_KERNEL_BACKEND="torch", DSV4_FP8_DIALECT=dialect)
+    from hip_kernels import KernelOptions
+    from hip_kernels.platform import DIALECTS
 
     n, heads, eps = len(SLOTS), 2, 1e-6
     g = torch.Generator().manual_seed(5)
@@ -129,9 +131,10 @@ def test_fused_norm_rope_writes_kv_and_ropes_q(pool, flag_env, dialect, fp8, fp8
     q_before = q.clone()
     loc = torch.tensor(SLOTS, dtype=torch.int32)
 
-    pool.set_swa_key_buffer_radix_fused_norm_rope(
-        layer_id=0, swa_loc=loc, kv=kv, kv_weight=weight, eps=eps, freqs_cis=freqs_cis,
-        positions=positions, q=q)
+    kernel = KernelOptions(backend="torch", fp8_dialect=DIALECTS[dialect])
+    plugin.fused_norm_rope_hook(None, pool, layer_id=0, swa_loc=loc, kv=kv, kv_weight=weight,
+                                eps=eps, freqs_cis=freqs_cis, positions=positions, q=q,
+                                kernel=kernel)
 
     f = freqs_cis[positions]
     cos, sin = f.real.numpy(), f.imag.numpy()
@@ -285,7 +288,7 @@ def test_the_plan_runs_on_triton_what_the_hip_kernels_numerics_do_not_cover(monk
     assert plugin.describe_plan(plugin.REPLACEMENTS) == (
         f"{pool}.set_swa_key_buffer_radix_fused -> fused_store_cache on triton; "
         f"{pool}.set_swa_key_buffer_radix_fused_norm_rope -> fused_k_norm_rope_store on triton")
-    monkeypatch.setattr(plugin, "sglang_numerics", lambda op: numerics.DEFAULT_NUMERICS)
+    monkeypatch.setattr(plugin, "sglang_numerics", lambda op, dialect: numerics.DEFAULT_NUMERICS)
     assert plugin.describe_plan(plugin.REPLACEMENTS) == (
         f"{pool}.set_swa_key_buffer_radix_fused -> fused_store_cache on hip; "
         f"{pool}.set_swa_key_buffer_radix_fused_norm_rope -> fused_k_norm_rope_store on hip")

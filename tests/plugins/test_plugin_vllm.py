@@ -104,7 +104,7 @@ def test_the_insert_runs_with_the_kernel_options_it_was_made_with(monkeypatch):
     that value to the kernel and reads no flag."""
     seen = []
     monkeypatch.setattr(plugin.set_kv, "fused_k_norm_rope_store",
-                        lambda *args, **kwargs: seen.append(kwargs["options"]))
+                        lambda *args, **kwargs: seen.append(kwargs["kernel"]))
     layer, _ = standin_layer()
     q, kv, positions = inputs(2)
     meta = {layer.swa_cache_layer.prefix: SimpleNamespace(slot_mapping=torch.tensor([0, 1]),

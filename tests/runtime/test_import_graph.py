@@ -5,7 +5,9 @@ A circle works only as long as each side imports the other late enough; one move
 turns it into an ImportError or a half-initialized module, so none is allowed. The graph is built
 from the source with `ast`: every `import` and `from ... import` statement, relative ones
 resolved, with an edge to a submodule when the imported name is one (`from . import envs`) and
-to the package itself otherwise (`from hip_kernels import StoreNumerics`).
+to the package itself otherwise (`from hip_kernels import StoreNumerics`), and an edge to each
+backend module a `define_op(..., triton="module.function", hip=...)` names (imported by the
+library when the op first runs on that backend).
 
 Floors: hip_kernels knows nothing of mem_pool or dsv4, mem_pool nothing of dsv4, and dsv4's
 checkpoint I/O (weights/) and tensor parallelism (parallel/) sit below the model: of dsv4 they
@@ -42,6 +44,25 @@ def _known(name: str, modules) -> str | None:
     return None
 
 
+def backend_modules(call: ast.Call, package: str) -> list[str]:
+    """The modules a define_op call names as its backends' ("module.function", or an f-string
+    that starts with "module.")."""
+    func = call.func
+    if (func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)) != "define_op":
+        return []
+    found = []
+    for keyword in call.keywords:
+        value = keyword.value
+        if isinstance(value, ast.IfExp):                  # hip=f"..." if ... else None
+            value = value.body
+        if isinstance(value, ast.JoinedStr) and value.values:
+            value = value.values[0]
+        if keyword.arg in ("triton", "hip") and isinstance(value, ast.Constant) \
+                and isinstance(value.value, str):
+            found.append(f"{package}.{value.value.split('.')[0]}")
+    return found
+
+
 def imports_of(name: str, path: Path, modules, source: str | None = None) -> set[str]:
     """The modules of ours that `name` (at `path`, its text `source` unless given) imports
     anywhere in its body: at the top, inside functions, classes and conditionals alike."""
@@ -50,16 +71,18 @@ def imports_of(name: str, path: Path, modules, source: str | None = None) -> set
     text = path.read_text() if source is None else source
     for node in ast.walk(ast.parse(text, str(path))):
         targets = []
-        if isinstance(node, ast.Import):
+        if isinstance(node, ast.Call):
+            targets = backend_modules(node, package)
+        elif isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")[:len(package.split(".")) - (node.level - 1)]
-                source = ".".join(base + ([node.module] if node.module else []))
+                origin = ".".join(base + ([node.module] if node.module else []))
             else:
-                source = node.module
-            targets = [f"{source}.{alias.name}" if f"{source}.{alias.name}" in modules
-                       else source for alias in node.names]
+                origin = node.module
+            targets = [f"{origin}.{alias.name}" if f"{origin}.{alias.name}" in modules
+                       else origin for alias in node.names]
         for target in targets:
             known = _known(target, modules)
             if known is not None and known != name:
@@ -107,7 +130,9 @@ def test_finder_sees_a_circle():
 def test_graph_resolves_relative_and_function_level_imports():
     graph = import_graph()
     assert "hip_kernels.kv_layout" in graph["hip_kernels.set_kv"]
-    assert "hip_kernels.mhc_split_triton" in graph["hip_kernels.mhc_split"]   # inside a function
+    assert "hip_kernels.mhc_split_triton" in graph["hip_kernels.triton_aot"]  # inside a function
+    assert "hip_kernels.mhc_split_triton" in graph["hip_kernels.mhc_split"]   # a backend named
+    assert {"hip_kernels.set_kv_triton", "hip_kernels.set_kv_hip"} <= graph["hip_kernels.set_kv"]
     assert "hip_kernels" in graph["mem_pool.dsv4_pool"]
 
 
