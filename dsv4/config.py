@@ -258,8 +258,10 @@ def _tiny() -> ModelConfig:
 def _small() -> ModelConfig:
     # The tiny preset widened so that every FP8/FP4 linear's input dim is a multiple of 128 (the
     # reference's act_quant asserts it): the smallest config that runs the published formats.
-    return dataclasses.replace(_tiny(), dim=256, q_lora_rank=128, moe_inter_dim=128, o_groups=2,
-                               o_lora_rank=64)
+    # 4 output groups of rank 128 (wo_b's 512 inputs in 128-wide FP8 blocks) so that it splits
+    # over 2 and 4 tensor-parallel ranks, as do its 4 heads, 8 index heads, 8 experts and vocab.
+    return dataclasses.replace(_tiny(), dim=256, q_lora_rank=128, moe_inter_dim=128, o_groups=4,
+                               o_lora_rank=128)
 
 
 _PRESETS = {"flash": _flash, "pro": _pro, "tiny": _tiny, "small": _small}

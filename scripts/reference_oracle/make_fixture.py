@@ -65,7 +65,7 @@ def default_fixture(mode: str = "bf16") -> Path:
 
 def fp8_config():
     """The ``small`` preset: the tiny preset with every quantized linear's input dim a multiple of
-    128 (dim 256, q_lora_rank 128, moe_inter_dim 128, 2 output groups of rank 64; 4 heads of 512
+    128 (dim 256, q_lora_rank 128, moe_inter_dim 128, 4 output groups of rank 128; 4 heads of 512
     and the indexer's 128 as in tiny)."""
     from dsv4.config import ModelConfig
 

@@ -37,8 +37,8 @@ from dsv4.checkpoint import load_model
 TINY = ModelConfig.preset("tiny")
 # the tiny preset has o_groups=2: 4 ranks need 4 output groups
 TINY_4 = dataclasses.replace(TINY, o_groups=4)
-# the small (native) preset with 4 groups of 128 ranks: wo_b's 512 inputs split in 128-wide blocks
-NATIVE = dataclasses.replace(ModelConfig.preset("small"), o_groups=4, o_lora_rank=128)
+# the small (native) preset: 4 groups of rank 128, so wo_b's 512 inputs split in 128-wide blocks
+NATIVE = ModelConfig.preset("small")
 PROMPTS = [[5, 17, 300, 42, 9, 77, 101, 3], [250, 11, 60]]
 NEW_TOKENS = 3
 # The reference numerics' bf16 steps run through CPU kernels whose last bit depends on the head

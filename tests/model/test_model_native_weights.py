@@ -5,6 +5,7 @@ configs that cannot be native. The end-to-end numerics (the reference's FP8-mode
 bit) are in test_numerics_reference_fp8.py."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from dsv4.model import DeepseekV4Model
 from dsv4.random_init import init_random_weights
 from dsv4.weights import quant
 from hip_kernels import fp8_linear
+from reference_logits_fixtures import DATA, fixture_meta
 
 SEED = 3
 
@@ -44,9 +46,16 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def test_the_small_preset_is_the_fp8_fixtures_config(small):
+    """The tiny preset widened to 128-wide quantized inputs, in 4 output groups (2 and 4 ranks
+    split it); the FP8 reference fixtures are made on it (make_fixture.py --mode fp8), so a
+    change here needs them made again."""
     tiny = ModelConfig.preset("tiny")
     assert small == dataclasses.replace(tiny, dim=256, q_lora_rank=128, moe_inter_dim=128,
-                                        o_groups=2, o_lora_rank=64)
+                                        o_groups=4, o_lora_rank=128)
+    fixtures = sorted(DATA.glob("reference_logits_fp8_*.safetensors"))
+    assert fixtures, "no tests/data/reference_logits_fp8_*.safetensors"
+    for path in fixtures:
+        assert ModelConfig.from_dict(json.loads(fixture_meta(path)["config"])) == small, path.name
 
 
 def test_native_holds_the_published_formats_where_the_reference_computes_them(small):

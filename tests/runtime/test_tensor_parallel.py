@@ -164,6 +164,39 @@ def test_a_torchrun_rank_on_a_cpu_joins_the_launchs_gloo_group(monkeypatch, flag
                                "timeout": datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)})]
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_main_commands_preset_splits_over_2_and_4_ranks(monkeypatch, flag_env, world):
+    """The README's `torchrun --nproc-per-node N -m dsv4 generate --tp N` with the main
+    command's own preset (small, published formats): every split count divides, each rank's
+    model builds, and the command gets past its checks to the group join (where this test stops
+    it)."""
+    import torch.distributed as dist
+
+    from dsv4.cli import main
+    from dsv4.model import DeepseekV4Model
+
+    small = tp_worker.ModelConfig.preset("small")
+    assert split_problem(small, world, native=True) is None
+    assert split_problem(small, world, native=False) is None
+    rank = DeepseekV4Model(small, device="meta", weights="native",
+                           split=TensorSplit(world - 1, world))
+    assert rank.layers[0].attn.wo_b.weight.shape[1] == small.o_groups * small.o_lora_rank // world
+
+    class Joined(Exception):
+        pass
+
+    def init_process_group(backend, **kwargs):
+        raise Joined
+
+    flag_env()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", str(world)), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(name, value)
+    with pytest.raises(Joined):
+        main(["generate", "--quiet", "--tp", str(world)])
+
+
 def test_what_counts_as_a_stopped_peer():
     """A collective's error that means another rank stopped (gloo's closed connection, a
     timeout, NCCL's or RCCL's error) and not any other error."""
@@ -190,8 +223,10 @@ def test_a_split_that_does_not_divide_names_tp_and_the_shape():
         from dsv4.model import DeepseekV4Model
         DeepseekV4Model(tiny, device="meta", split=TensorSplit(0, 4))
     # a native model's rank must hold whole 128-wide FP8 blocks of wo_b's inputs
-    assert "o_groups*o_lora_rank/128=1" in split_problem(
-        tp_worker.ModelConfig.preset("small"), 2, native=True)
+    two_blocks = dataclasses.replace(tp_worker.ModelConfig.preset("small"), o_lora_rank=64)
+    assert split_problem(two_blocks, 2, native=True) is None
+    assert "o_groups*o_lora_rank/128=2" in split_problem(two_blocks, 4, native=True)
+    assert split_problem(two_blocks, 4, native=False) is None
 
 
 def test_native_ranks_parts_add_up_to_the_whole_layer(tmp_path, monkeypatch):
