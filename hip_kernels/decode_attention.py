@@ -53,7 +53,7 @@ def sparse_attention_rows(q: torch.Tensor, kv: list[torch.Tensor], valid: list[t
     scores = [torch.einsum("nhd,nkd->nhk", qf, rows.float()).mul_(scale)
               .masked_fill_(~ok.unsqueeze(1), float("-inf")) for rows, ok in zip(kv, valid)]
     sink_col = sink.float().view(1, -1, 1).expand(q.shape[0], -1, 1)
-    p = torch.cat(scores + [sink_col], -1).softmax(-1)
+    p = _softmax_any_width(torch.cat(scores + [sink_col], -1))
     o = None
     start = 0
     for rows, ok in zip(kv, valid):   # an invalid row adds 0, even a poisoned (NaN) one
@@ -62,6 +62,17 @@ def sparse_attention_rows(q: torch.Tensor, kv: list[torch.Tensor], valid: list[t
         o = part if o is None else o + part
         start += rows.shape[1]
     return o.to(q.dtype)
+
+
+def _softmax_any_width(x: torch.Tensor) -> torch.Tensor:
+    """softmax over the last dim, its bits the same whatever -inf columns the row holds: the max
+    is exact, exp is per element and the denominator is summed left to right in fp64 (a
+    sequential cumsum, rounded once to fp32), where a column's exp(-inf) = 0 adds exactly
+    nothing. A captured graph's rows hold more compressed columns than eager's (its static
+    width); torch's softmax sums in an order set by the row's length, so those columns changed
+    the denominator's last bit (measured: AVX512, AVX2 and plain kernels alike)."""
+    e = torch.exp(x - x.amax(-1, keepdim=True))
+    return e / torch.cumsum(e.double(), -1)[..., -1:].float()
 
 
 def _narrow_window_last(window_width: torch.Tensor, n_window: int, n_rows: int) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Write tests/data/reference_logits_<tiny|fp8>_<CPU kernel set>.safetensors: the reference
 inference code's teacher-forced logits on a random checkpoint this repository generates, as this
-machine's torch computes them (one fixture per CPU kernel set, e.g. AVX512 and AVX2).
+machine's torch computes them (one fixture per CPU kernel set, ``cpu_kernel_set``: torch's
+vector capability, the CPU vendor MKL dispatches by, the kernels of bf16 matmuls).
 
     python scripts/reference_oracle/make_fixture.py --reference-dir PATH/TO/inference \\
         [--mode fp8]
@@ -18,7 +19,8 @@ digests. Steps:
    the checkpoint's tensors (``checkpoint_digest``, which the test recomputes, so a change in the
    random initialisation is reported as such and not as a numerics failure), the SHA-256 of the
    reference's model.py, the shim modes, and the torch version and CPU kernel set
-   (``torch.backends.cpu.get_cpu_capability()``): bits are the same only where both are.
+   (``cpu_kernel_set.kernel_set()``, one metadata key each): bits are the same only where both
+   are.
 
 tests/model/test_numerics_reference.py replays the same tokens through this repo's engine (eager,
 default flags) and requires the logits to be equal bit for bit.
@@ -53,14 +55,15 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 sys.path.insert(0, str(HERE))
 import run_reference as refdrv  # noqa: E402
+from cpu_kernel_set import kernel_set, label  # noqa: E402
 
 FIXTURE_DIR = ROOT / "tests" / "data"
 
 
 def default_fixture(mode: str = "bf16") -> Path:
-    """The fixture of ``mode`` for this machine's CPU kernel set (torch's get_cpu_capability())."""
-    cap = torch.backends.cpu.get_cpu_capability()
-    return FIXTURE_DIR / f"reference_logits_{'tiny' if mode == 'bf16' else mode}_{cap}.safetensors"
+    """The fixture of ``mode`` for this machine's CPU kernel set (``cpu_kernel_set.label``)."""
+    name = f"reference_logits_{'tiny' if mode == 'bf16' else mode}_{label(kernel_set())}"
+    return FIXTURE_DIR / f"{name}.safetensors"
 
 
 def fp8_config():
@@ -140,7 +143,7 @@ def main(argv=None) -> None:
             "checkpoint_digest": digest, "tokens": tokens_spec, "reference_model_py_sha256":
                 hashlib.sha256(model_py.read_bytes()).hexdigest(),
             "hadamard": "cuda", "sparse_attn": "tilelang", "torch": torch.__version__,
-            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+            **kernel_set()}
     if fp8:
         meta.update(mode="fp8", quantize="1", config=json.dumps(cfg.to_dict()),
                     extend_prefill=str(a.extend_prefill), short_prefill=str(a.short_prefill))

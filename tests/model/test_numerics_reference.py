@@ -1,8 +1,10 @@
 """DSV4_NUMERICS=reference (the default): teacher-forced eager decode gives, bit for bit, the
 logits of DeepSeek-V4's reference inference code, stored in tests/data by
 scripts/reference_oracle/make_fixture.py (the reference itself is not in this repository), one
-fixture per CPU kernel set (torch's GEMMs and reductions sum in another order on AVX2 than on
-AVX512, in the reference as here: its own logits differ between the two on 63 of 200 steps);
+fixture per CPU kernel set (scripts/reference_oracle/cpu_kernel_set.py: torch's vector kernels,
+the CPU vendor MKL dispatches by, the kernels of bf16 matmuls; each sums in its own order, in the
+reference as here: its own logits differ between two AMD CPUs, AVX2 and AVX512, on 63 of 200
+steps, and between the AMD AVX512 one and an Intel Xeon with AMX on all 200);
 and decode graphs give eager's bits whenever no padded batch changes a GEMM's row count and no
 tie at the indexer's k-th place is picked differently over the graph's candidate count.
 
@@ -24,8 +26,8 @@ from safetensors import safe_open
 from dsv4.checkpoint import load_model, save_random_checkpoint
 from dsv4.config import ModelConfig
 from dsv4.engine import Engine
-from reference_logits_fixtures import (DATA, checkpoint_digest, fixture_for_here, fixture_meta,
-                                       report)
+from reference_logits_fixtures import (DATA, checkpoint_digest, fixture_for_here,
+                                       skip_unless_fixture_here, fixture_meta, kernel_label, report)
 
 FIXTURES = sorted(DATA.glob("reference_logits_tiny_*.safetensors"))
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -44,7 +46,7 @@ def test_the_fixtures_share_tokens_and_checkpoint():
     for key in ("checkpoint_digest", "checkpoint_seed", "tokens", "reference_model_py_sha256"):
         assert len({m[key] for m in metas}) == 1, key
     for p, m in zip(FIXTURES, metas):
-        assert p.stem.endswith("_" + m["cpu_capability"]), p.name
+        assert p.stem.endswith("_" + kernel_label(p)), p.name
 
 
 @pytest.fixture(scope="module")
@@ -71,14 +73,10 @@ def teacher_forced(model, tokens):
 
 def test_eager_decode_gives_the_reference_logits_bit_for_bit(fixture_model, flag_env):
     """The reference ran on a CPU with torch's kernels for that CPU (its GEMMs, reductions and
-    bf16 rsqrt pick their summation order and rounding by instruction set): the same bits are
-    expected from the same torch version and CPU kernel set, which the fixture records."""
-    if fixture_for_here(FIXTURES) is None:
-        made = ", ".join(f"torch {m['torch']} on {m['cpu_capability']}"
-                         for m in map(fixture_meta, FIXTURES))
-        pytest.skip(f"fixtures made with {made}; here torch {torch.__version__} on "
-                    f"{torch.backends.cpu.get_cpu_capability()}: rerun make_fixture.py here "
-                    "to compare bits")
+    bf16 rsqrt pick their summation order and rounding by instruction set and vendor): the same
+    bits are expected from the same torch version and CPU kernel set, which the fixture
+    records."""
+    skip_unless_fixture_here(FIXTURES, "scripts/reference_oracle/make_fixture.py")
     flag_env()   # default flags
     model, want, tokens = fixture_model
     got = teacher_forced(model, tokens)

@@ -27,8 +27,8 @@ from dsv4 import Options
 from dsv4.checkpoint import load_model, save_random_checkpoint
 from dsv4.config import ModelConfig
 from dsv4.engine import Engine
-from reference_logits_fixtures import (DATA, checkpoint_digest, fixture_for_here, fixture_meta,
-                                       report)
+from reference_logits_fixtures import (DATA, checkpoint_digest, fixture_for_here,
+                                       skip_unless_fixture_here, fixture_meta, kernel_label, report)
 
 FIXTURES = sorted(DATA.glob("reference_logits_fp8_*.safetensors"))
 BF16_FIXTURES = sorted(DATA.glob("reference_logits_tiny_*.safetensors"))
@@ -51,7 +51,7 @@ def test_the_fp8_fixture_comes_from_the_bf16_fixtures_reference():
         meta = fixture_meta(p)
         assert meta["mode"] == "fp8" and meta["quantize"] == "1", p.name
         assert {meta["reference_model_py_sha256"]} == ref, p.name
-        assert p.stem.endswith("_" + meta["cpu_capability"]), p.name
+        assert p.stem.endswith("_" + kernel_label(p)), p.name
 
 
 @pytest.fixture(scope="module")
@@ -115,12 +115,7 @@ def test_logits_are_close_to_the_reference_fp8_mode(replayed, case):
 @pytest.mark.parametrize("case", ["decode", "extend", "short"])
 def test_eager_decode_gives_the_reference_fp8_logits_bit_for_bit(replayed, case):
     """Bits are expected from the same torch version and CPU kernel set as the fixture's."""
-    if fixture_for_here(FIXTURES) is None:
-        made = ", ".join(f"torch {m['torch']} on {m['cpu_capability']}"
-                         for m in map(fixture_meta, FIXTURES))
-        pytest.skip(f"fixtures made with {made}; here torch {torch.__version__} on "
-                    f"{torch.backends.cpu.get_cpu_capability()}: rerun make_fixture.py --mode "
-                    "fp8 here to compare bits")
+    skip_unless_fixture_here(FIXTURES, "scripts/reference_oracle/make_fixture.py --mode fp8")
     got, want = replayed[case]
     assert got.shape == want.shape
     assert torch.equal(got, want), report(got, want)
