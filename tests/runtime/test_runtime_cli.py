@@ -16,7 +16,7 @@ from dsv4 import ModelConfig, save_random_checkpoint
 
 KEYS = {"tokens", "ttft_ms", "decode_tokens_per_s", "tokens_per_s", "step_latency_ms_p50",
         "step_latency_ms_p90", "swa_translations_per_step", "graph", "pool_usage", "weights",
-        "weights_reason"}
+        "weights_reason", "prefill_chunk"}
 
 
 def clean_env(**extra):
@@ -292,11 +292,11 @@ def test_the_prefill_is_part_of_the_memory_estimate():
     from dsv4.memory_estimate import PREFILL_BYTES_PER_ROW, estimate
 
     tiny = ModelConfig.preset("tiny")          # ratios 4 and 128: 25,004 + 781 rows at 100,016
-    big = estimate(tiny, 4, 100_016, prompt_tokens=400_000)
-    assert big.prefill_bytes == 400_000 * (25_004 + 781) * PREFILL_BYTES_PER_ROW
+    big = estimate(tiny, 4, 100_016, prefill_tokens=4096)   # one chunk of 4096 tokens
+    assert big.prefill_bytes == 4096 * (25_004 + 781) * PREFILL_BYTES_PER_ROW
     assert big.total_bytes == big.weight_bytes + big.kv_bytes + big.prefill_bytes
     assert "GiB for the prefill step" in big.describe()
-    assert estimate(tiny, 4, 48).prefill_bytes == 0   # no prompt tokens given: no prefill
+    assert estimate(tiny, 4, 48).prefill_bytes == 0   # no prefill tokens given: no prefill
 
 
 def test_every_generate_option_says_its_default():

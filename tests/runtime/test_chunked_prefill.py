@@ -1,0 +1,191 @@
+"""Chunked prefill in the engine: a prompt prefilled in several chunks gives the tokens of one
+extend over it; each step decodes the running requests first and gives the prefilling prompts
+what is left of its token budget; the prefilling prompt's SWA pages leave with the window;
+a pool that runs short sends a prefilling prompt back to the queue; bad chunk values are refused
+by name; the memory estimate counts one chunk."""
+
+import pytest
+import torch
+
+from dsv4 import DeepseekV4Model, Options, init_random_weights
+from dsv4.config import ModelConfig
+from dsv4.engine import Engine
+from dsv4.memory_estimate import MAX_AUTO_CHUNK, auto_prefill_chunk, estimate, prefill_bytes
+from tiny_model import tiny_model
+
+TINY = ModelConfig.preset("tiny")
+pytestmark = pytest.mark.usefixtures("one_thread")
+MAX_LEN = 704
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model(max_seq_len=MAX_LEN, seed=3)
+
+
+@pytest.fixture(scope="module")
+def small():
+    model = DeepseekV4Model(ModelConfig.preset("small"), max_seq_len=MAX_LEN, weights="native")
+    return init_random_weights(model, seed=3)
+
+
+def prompts(lens, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, TINY.vocab_size, (n,), generator=g).tolist() for n in lens]
+
+
+def all_free(engine):
+    a = engine.allocator
+    return (a.full_available_size() == a.size_full and a.swa_available_size() == a.size_swa
+            and engine.req_to_token_pool.available() == engine.max_batch)
+
+
+def run(model, reqs, chunk, new=4, **kw):
+    """Each prompt alone, in an engine prefilling in chunks of `chunk`: (tokens, the engine)."""
+    engine = Engine(model, max_batch=kw.pop("max_batch", 1), max_context_len=MAX_LEN,
+                    page_size=kw.pop("page_size", 128), graph=False, prefill_chunk=chunk, **kw)
+    out = [engine.generate([p], new).tokens[0] for p in reqs]
+    assert all_free(engine)
+    return out, engine
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+def test_a_prompt_in_several_chunks_gives_the_tokens_of_one_extend(request, flag_env, preset):
+    """Prompts of 300 and 600 tokens, in chunks of 128 and 256, against one chunk each, in the
+    reference's numerics (bf16 weights on tiny, the published FP8/FP4 on small).
+
+    The generated tokens are equal; the logits need not be, to the last bit: a chunk's extend
+    runs the linears over fewer rows, and bf16 GEMMs round with the row count on the CPU (their
+    blocking follows M), as do the attention's row-batched softmax and the MoE's grouped
+    expert GEMMs over each chunk's tokens. The FP8/FP4 linears dequantize per row and are
+    row-count independent. Each chunk's ring states and window rows in the cache are the ones
+    one extend leaves at that position."""
+    flag_env(DSV4_NUMERICS="reference")
+    model = request.getfixturevalue(preset)
+    lens = [300, 600]
+    whole, one = run(model, prompts(lens), 1024)
+    assert one.stats.prefill_chunks == lens
+    for chunk in (128, 256):
+        got, chunked = run(model, prompts(lens), chunk)
+        assert got == whole, chunk
+        assert chunked.stats.prefill_chunks == (
+            [chunk] * (300 // chunk) + [300 % chunk] + [chunk] * (600 // chunk) + [600 % chunk])
+
+
+def test_decodes_go_first_and_the_long_prompt_takes_the_rest_of_the_budget(tiny, flag_env):
+    """A short prompt and a long one, budget 128: the first step prefills the short prompt whole
+    and the long one's first 118 tokens; from then on each step decodes the short request (one
+    token) and gives the long prompt 127 tokens, so the short one gains a token every step while
+    the long one prefills, not after it."""
+    flag_env()
+    engine = Engine(tiny, max_batch=2, max_context_len=MAX_LEN, page_size=128, graph=False,
+                    prefill_chunk=128)
+    seen = []
+    out = engine.generate(prompts([10, 500]), 8,
+                          on_step=lambda: seen.append(len(engine.stats.prefill_s)))
+    assert engine.stats.prefill_chunks == [128, 127, 127, 127, 1]
+    assert seen[:5] == [1, 2, 3, 4, 5]      # one prefill chunk after each decode step
+    assert [len(t) for t in out.tokens] == [8, 8]
+    assert all_free(engine)
+
+
+def test_a_prompt_progresses_whatever_the_decodes_take(tiny, flag_env):
+    """Budget 8 with 3 requests decoding: the prompt still gets min_prefill_share (8 tokens: an
+    eighth of the chunk, at least 8) a step; with budget 64 and 3 decoding, 61."""
+    flag_env()
+    for chunk, long, after in ((8, 40, [8, 8, 8, 8, 6]), (64, 119, [61])):
+        engine = Engine(tiny, max_batch=4, max_context_len=MAX_LEN, page_size=128, graph=False,
+                        prefill_chunk=chunk)
+        assert engine.min_prefill_share == 8
+        out = engine.generate(prompts([2, 2, 2, long]), 6)
+        assert engine.stats.prefill_chunks == [chunk] + after
+        assert [len(t) for t in out.tokens] == [6] * 4 and all_free(engine)
+
+
+def test_a_prefilling_prompt_holds_about_a_chunk_and_a_window_of_swa_slots(tiny, flag_env):
+    """600 tokens in chunks of 128 with 128-token pages: the full side holds the whole prompt,
+    the SWA side at most the window (128) and the chunk, plus the page the window's start
+    rounds down to."""
+    flag_env()
+    _, engine = run(tiny, prompts([600]), 128, new=2)
+    assert engine.stats.peak_full_tokens == 640
+    assert engine.stats.peak_swa_tokens <= 128 + 128 + 128
+
+
+def test_a_short_pool_sends_the_prefilling_prompt_back_to_the_queue(tiny, flag_env):
+    """A 6-page pool (128-token pages), chunks of 100: a 511-token prompt (4 pages) ends its
+    prefill with a 250-token one's first 89 tokens; the next step the 250-token prompt reaches
+    188 tokens (2 pages, the pool is full), and the step after, the first request's decode
+    needs a fifth page at position 512. It can only come from the prefilling prompt: that goes
+    back to the queue, and is prefilled again once the first request ends. Each request's
+    tokens are those it gets alone (fp32 numerics: batch mates change the reference's
+    roundings)."""
+    flag_env(DSV4_NUMERICS="fp32")
+    reqs = prompts([511, 250])
+    alone, _ = run(tiny, reqs, 100, new=12)
+    engine = Engine(tiny, max_batch=2, max_context_len=MAX_LEN, page_size=128, graph=False,
+                    prefill_chunk=100, max_total_tokens=6 * 128)
+    out = engine.generate(reqs, 12)
+    assert engine.stats.requeued == 1 and engine.stats.retractions == 0
+    assert out.errors == [None, None] and out.tokens == alone
+    assert all_free(engine)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "64"])
+def test_engine_refuses_a_bad_prefill_chunk(tiny, bad):
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        Engine(tiny, max_batch=1, max_context_len=MAX_LEN, graph=False, prefill_chunk=bad)
+
+
+@pytest.mark.parametrize("bad", [-1, 2.0, False])
+def test_options_refuse_a_bad_prefill_chunk(bad):
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        Options(prefill_chunk=bad)
+
+
+def test_the_chunk_follows_the_options_and_auto_sizes_it(tiny):
+    assert Engine(tiny, max_batch=1, max_context_len=MAX_LEN, graph=False,
+                  options=Options(prefill_chunk=96)).prefill_chunk == 96
+    auto = Engine(tiny, max_batch=1, max_context_len=MAX_LEN, graph=False,
+                  options=Options(prefill_chunk=0))
+    assert auto.prefill_chunk == MAX_AUTO_CHUNK     # a CPU machine's memory holds 8192 easily
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "1.5", "abc", ""])
+def test_cli_refuses_a_bad_prefill_chunk_in_one_line(capsys, flag_env, monkeypatch, value):
+    import dsv4
+    from dsv4.cli import main
+
+    flag_env()
+    monkeypatch.setattr(dsv4, "DeepseekV4Model", None)   # nothing may be built
+    assert main(["generate", "--quiet", "--preset", "tiny", "--prefill-chunk", value]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--prefill-chunk" in err[0] and repr(value) in err[0]
+
+
+def test_cli_refuses_a_chunk_the_device_cannot_hold(capsys, flag_env, monkeypatch):
+    import dsv4
+    from dsv4.cli import main
+
+    flag_env()
+    monkeypatch.setattr(dsv4, "DeepseekV4Model", None)
+    assert main(["generate", "--quiet", "--preset", "tiny", "--batch", "1", "--prompt-len",
+                 "60000", "--device-memory", "1", "--prefill-chunk", "60000"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--prefill-chunk" in err[0] and "prefill step" in err[0]
+
+
+def test_estimate_counts_one_chunk_and_the_auto_rule():
+    """The prefill share is one chunk's (or all the prompt tokens', when fewer); auto picks the
+    largest power of two whose share fits beside the weights, the KV and the 5% margin."""
+    tiny, ctx = TINY, 65_536
+    rows = ctx // 4 + ctx // 128
+    assert prefill_bytes(tiny, 512, ctx) == 512 * rows * 32
+    assert estimate(tiny, 1, ctx, prefill_tokens=512).prefill_bytes == 512 * rows * 32
+    device, used = 4 * 2 ** 30, 2 ** 30
+    chunk = auto_prefill_chunk(tiny, ctx, device, used)
+    spare = device * 0.95 - used
+    assert chunk in (256, 512, 1024, 2048, 4096)
+    assert prefill_bytes(tiny, chunk, ctx) <= spare < prefill_bytes(tiny, 2 * chunk, ctx)
+    assert auto_prefill_chunk(tiny, 512, 2 ** 40, 0) == MAX_AUTO_CHUNK
+    assert auto_prefill_chunk(tiny, ctx, 2 ** 30, 2 ** 30, page_size=128) == 128  # none fits
