@@ -10,14 +10,14 @@ tokens (``Engine(prefill_chunk=...)``, ``Options.prefill_chunk``, DSV4_PREFILL_C
 from the device's memory by ``memory_estimate.auto_prefill_chunk``): first one decode forward of
 every running request (one token each: greedy, sampled as ``sampling`` says, or the
 ``forced_tokens`` given), then one extend forward over chunks of the prompts being prefilled,
-oldest first, with what is left of the budget, but never less than ``min_prefill_share`` (an eighth
-of the chunk, at least ``prefix_reuse.RING`` = 8 tokens) so a prompt always progresses however
-many requests decode. A chunk is an extend over the request's positions already in the cache; only
-a prompt's last chunk yields its first token, and the request joins the decode batch. A prompt
-is admitted (pages checked against everything the admitted prompts still have to take, then a
-slot and the pages of its first chunk) when its turn comes and they fit; each later chunk takes
-its own pages, and SWA pages that leave the window are released after every chunk and every
-decode step, so a prefilling request holds about chunk + window SWA slots.
+oldest first, with what is left of the budget, but never less than ``min_prefill_share`` (an
+eighth of the chunk, at least ``prefix_reuse.RING`` = 8 tokens) so a prompt always progresses
+however many requests decode. A chunk is an extend over the request's positions already in the
+cache; only a prompt's last chunk yields its first token, and the request joins the decode
+batch. A prompt is admitted (pages checked against everything the admitted prompts still have to
+take, then a slot and the pages of its first chunk) when its turn comes and they fit; each later
+chunk takes its own pages, and SWA pages that leave the window are released after every chunk
+and every decode step, so a prefilling request holds about chunk + window SWA slots.
 
 A request stops at max_new_tokens or ``eos_token_id``; its pages are freed at once and it leaves
 the batch. When a step finds the pool exhausted, the latest admitted prompt still prefilling goes
@@ -35,6 +35,7 @@ Flags are read once, when the engine is made: ``Engine(model, options=None)`` ta
 prefix cache; a flag changed afterwards changes nothing in this engine (pass ``options=`` or make
 another engine).
 """
+
 from __future__ import annotations
 
 import logging
@@ -78,7 +79,7 @@ class GenerateOutput:
 class EngineStats:
     decode_step_s: list[float] = field(default_factory=list)  # wall time of each decode step
     decode_tokens: int = 0               # tokens appended by decode steps
-    first_token_s: float | None = None   # from generate() to the end of its first prefill
+    first_token_s: float | None = None   # from generate() to the first prompt's first token
     graph_steps: int = 0                 # decode steps that replayed a graph
     eager_swa_translations: int = 0      # SWA gathers run by eager decode steps
     eager_swa_hits: int = 0              # SWA location cache hits of eager decode steps
@@ -89,7 +90,7 @@ class EngineStats:
     prefill_s: list[float] = field(default_factory=list)  # wall time of each prefill step
     prefill_chunks: list[int] = field(default_factory=list)  # prompt tokens of each such step
     requeued: int = 0                    # prefilling prompts sent back to the queue
-    prompt_tokens: int = 0               # prompt tokens admitted
+    prompt_tokens: int = 0               # prompt tokens admitted (again when requeued)
     prefix_hit_tokens: int = 0           # of those, loaded from the prefix cache
 
     @property
@@ -293,7 +294,6 @@ class Engine:
         req = q.prefilling.pop()
         self.slots.release(req)
         req.seq_len = 0
-        self.stats.prompt_tokens -= len(req.prompt)
         q.waiting.appendleft(req)
         self.stats.requeued += 1
 

@@ -170,8 +170,13 @@ ERRORS = {  # arguments (and environment) -> the one line expected on stderr
                               "error: --weights native: the FP8/FP4 linears need input dims that "
                               "are multiples of 128; this config has dim=64, q_lora_rank=32, "
                               "o_groups*o_lora_rank=64, moe_inter_dim=32; use --weights bf16"),
-    "prompt too large for the machine": (["--prompt-len", "100000"], {},
-                                         "error: this run needs about "),
+    "prefill chunk too large for the machine": (["--prompt-len", "100000", "--prefill-chunk",
+                                                 "100000"], {}, "error: this run needs about "),
+    "prefill chunk 0": (["--prefill-chunk", "0"], {},
+                        "error: --prefill-chunk must be a whole number of tokens >= 1 or auto, "
+                        "got '0'"),
+    "negative prefill chunk flag": ([], {"DSV4_PREFILL_CHUNK": "-1"},
+                                    "error: prefill_chunk=-1: expected an int >= 1, or 0"),
     "bad sampling": (["--top-p", "0"], {}, "error: top_p must be in (0, 1], got 0.0"),
 }
 
