@@ -151,6 +151,34 @@ def test_a_short_pool_sends_the_prefilling_prompt_back_to_the_queue(tiny, flag_e
     assert all_free(engine)
 
 
+def test_the_prefix_cache_takes_the_pages_chunks_compute(tiny, flag_env):
+    """Chunks of 100 with a prefix cache end on multiples of the ring (96, 192, ...), so each
+    page end's ring rows come from one chunk; the pages they complete are inserted, and the
+    same prompt again loads 4 pages (512 tokens) and gives the tokens of a run without a cache
+    in the same chunks.
+    A page whose rows or rings were captured wrong would move the logits far beyond
+    LOGIT_ATOL."""
+    from mem_pool.prefix import PrefixCache
+
+    flag_env(DSV4_NUMERICS="reference")
+    prompt = prompts([600], seed=5)[0]
+    plain = Engine(tiny, max_batch=1, max_context_len=MAX_LEN, page_size=128, graph=False,
+                   prefill_chunk=96, prefix_cache=False)     # the cached run's chunks
+    want = plain.generate([prompt], 4, return_logits=True)
+    cache = PrefixCache(128, TINY.window_size, host_capacity_pages=16)
+    engine = Engine(tiny, max_batch=1, max_context_len=MAX_LEN, page_size=128, graph=False,
+                    prefill_chunk=100, prefix_cache=cache)
+    first = engine.generate([prompt], 4, return_logits=True)
+    assert engine.stats.prefill_chunks == [96] * 6 + [24]
+    assert torch.equal(first.logits, want.logits)   # capturing and inserting change nothing
+    engine.stats.prefill_chunks.clear()
+    again = engine.generate([prompt], 4, return_logits=True)
+    assert engine.stats.prefix_hit_tokens == 512 and engine.stats.prefill_chunks == [88]
+    assert again.tokens == want.tokens
+    assert (again.logits - want.logits).abs().max() <= LOGIT_ATOL
+    assert all_free(engine)
+
+
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "64"])
 def test_engine_refuses_a_bad_prefill_chunk(tiny, bad):
     with pytest.raises(ValueError, match="prefill_chunk"):
