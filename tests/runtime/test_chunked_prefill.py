@@ -237,3 +237,24 @@ def test_estimate_counts_one_chunk_and_the_auto_rule():
     assert prefill_bytes(tiny, chunk, ctx) <= spare < prefill_bytes(tiny, 2 * chunk, ctx)
     assert auto_prefill_chunk(tiny, 512, 2 ** 40, 0) == MAX_AUTO_CHUNK
     assert auto_prefill_chunk(tiny, ctx, 2 ** 30, 2 ** 30, page_size=128) == 128  # none fits
+
+
+@pytest.mark.parametrize("prompt_len, chunk, share_gib", [(131_072, 8192, 8.25),
+                                                     (1_000_000, 512, 3.93)])
+def test_flash_at_long_context_fits_one_192_gib_device(capsys, flag_env, prompt_len, chunk,
+                                                       share_gib):
+    """The estimate of one Flash request on a 192 GiB device: the auto chunk's prefill step
+    fits beside 148.7 GiB of weights and the KV pool (27 GiB at 1M), where one step over the
+    whole prompt needed 132 GiB at 128K and 7.7 TiB at 1M. (The step's metadata still grows
+    with the chunk times the context: 8.25 GiB at 128K.)"""
+    import json
+
+    from dsv4.cli import main
+
+    flag_env()
+    assert main(["generate", "--preset", "flash", "--batch", "1", "--prompt-len",
+                 str(prompt_len), "--estimate-only", "--device-memory", "192", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out.strip().rsplit("\n", 1)[1])
+    assert r["fits"] and r["prefill_chunk"] == chunk
+    share = r["total_bytes_per_rank"] - r["weight_bytes_per_rank"] - r["kv_bytes"]
+    assert round(share / 2 ** 30, 2) == share_gib
