@@ -60,7 +60,19 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     for name in ("batch", "prompt_len", "max_new_tokens", "repeat", "tp"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    args.prefill_chunk = _prefill_chunk(args.prefill_chunk)
     return cli_generate.run(args)
+
+
+def _prefill_chunk(text: str | None) -> int | None:
+    """--prefill-chunk as the engine takes it: None (follow DSV4_PREFILL_CHUNK), 0 (auto) or
+    a token count >= 1."""
+    if text is None or text == "auto":
+        return None if text is None else 0
+    if not text.strip().isdigit() or int(text) < 1:
+        raise UsageError(f"--prefill-chunk must be a whole number of tokens >= 1 or auto, got "
+                         f"{text!r}")
+    return int(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -134,6 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--prefix-cache-dir", default=None,
                      help="file tier of the prefix cache (default: DSV4_PREFIX_CACHE_DIR, "
                      "empty = host memory only)")
+    run.add_argument("--prefill-chunk", default=None, metavar="N",
+                     help="prefill a prompt in chunks of at most N tokens, N >= 1, or auto; "
+                     "each step's token budget, decodes first (default: DSV4_PREFILL_CHUNK, "
+                     "0 = auto: sized from the device's memory)")
     run.add_argument("--repeat", type=int, default=1,
                      help="run the prompt set this many times in one engine (default 1); the "
                      "JSON report lists each pass under 'passes'")

@@ -11,6 +11,7 @@ import os
 import re
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -141,7 +142,8 @@ def print_report(r: dict, n_prompts: int, tokenizer, model_path: str | None = No
     if r.get("tp", 1) > 1:
         print(f"tensor parallel: {r['tp']} ranks, {r['weight_bytes_per_rank'] / 2 ** 30:.3f} GiB "
               "of weights per rank")
-    print(f"prefill: time to first token {r['ttft_ms']} ms")
+    print(f"prefill: time to first token {r['ttft_ms']} ms; chunks of at most "
+          f"{_chunk_text(r['prefill_chunk'], r['prefill_chunk_source'])}")
     if r["decode_steps"]:
         print(f"decode: {r['decode_tokens_per_s']} tokens/s; step latency p50 "
               f"{r['step_latency_ms_p50']} ms, p90 {r['step_latency_ms_p90']} ms over "
@@ -181,45 +183,68 @@ def _context_len(args, prompts: list[list[int]]) -> int:
     return context_len
 
 
-def _estimate(args, config, prompts: list[list[int]], context_len: int, device, weights: str):
-    """(one rank's estimate, the device's bytes, what to call the device)."""
-    from .memory_estimate import GIB, available_bytes, estimate
+def _estimate(args, config, prompts: list[list[int]], context_len: int, device, weights: str,
+              chunk: int):
+    """(one rank's estimate, the device's bytes, what to call the device, the prefill chunk:
+    `chunk`, or when it is 0 the one ``auto_prefill_chunk`` sizes for the device)."""
+    from .engine import PAGE_SIZE
+    from .memory_estimate import GIB, auto_prefill_chunk, available_bytes, estimate, prefill_bytes
 
-    need = estimate(config, len(prompts), context_len, prompt_tokens=sum(map(len, prompts)),
-                    weights=weights, tp=args.tp)
     if args.device_memory is not None:
         if args.device_memory <= 0:
             raise UsageError(f"--device-memory must be > 0 GiB, got {args.device_memory}")
-        return need, int(args.device_memory * GIB), f"a {args.device_memory:g} GiB device"
-    return need, available_bytes(device), str(device)
+        have, where = int(args.device_memory * GIB), f"a {args.device_memory:g} GiB device"
+    else:
+        have, where = available_bytes(device), str(device)
+    need = estimate(config, len(prompts), context_len, PAGE_SIZE, weights=weights, tp=args.tp)
+    chunk = chunk or auto_prefill_chunk(config, context_len, have, need.total_bytes, PAGE_SIZE)
+    need = replace(need, prefill_bytes=prefill_bytes(
+        config, min(chunk, sum(map(len, prompts))), context_len))
+    return need, have, where, chunk
+
+
+def _chunk_source(args, options) -> tuple[int, str]:
+    """(the chunk asked for, 0 = auto; what asked for it)."""
+    if args.prefill_chunk is not None:
+        return args.prefill_chunk, "--prefill-chunk" if args.prefill_chunk else "auto"
+    return options.prefill_chunk, "DSV4_PREFILL_CHUNK" if options.prefill_chunk else "auto"
 
 
 def _check_fits(args, config, prompts: list[list[int]], context_len: int, device,
-                weights: str) -> None:
-    """Refuse a run whose estimate (weights held as ``weights``, one rank's part) exceeds the
-    device (nothing is allocated before this)."""
+                weights: str, chunk: int) -> int:
+    """Refuse a run whose estimate (weights held as ``weights``, one rank's part, prefill
+    steps of the chunk) exceeds the device (nothing is allocated before this): the chunk."""
     from .memory_estimate import shortfall
 
-    problem = shortfall(*_estimate(args, config, prompts, context_len, device, weights))
+    need, have, where, chunk = _estimate(args, config, prompts, context_len, device, weights,
+                                         chunk)
+    problem = shortfall(need, have, where)
     if problem and not args.force:
         raise UsageError(problem)
+    return chunk
 
 
 def print_estimate(args, config, prompts: list[list[int]], context_len: int, device,
-                   weights: str) -> int:
+                   weights: str, chunk: int, chunk_source: str) -> int:
     """--estimate-only: one rank's memory and whether it fits the device, nothing allocated."""
     from .memory_estimate import GIB
 
-    need, have, where = _estimate(args, config, prompts, context_len, device, weights)
+    need, have, where, chunk = _estimate(args, config, prompts, context_len, device, weights,
+                                         chunk)
     fits = need.total_bytes <= have
     print(f"memory per rank (--tp {args.tp}, {weights} weights): {need.describe()}")
     print(f"fits {where} ({have / GIB:.1f} GiB): {'yes' if fits else 'no'}")
+    print(f"prefill chunk: {_chunk_text(chunk, chunk_source)}")
     if args.json:
         print(json.dumps({"tp": args.tp, "weights": weights,
                           "weight_bytes_per_rank": need.weight_bytes, "kv_bytes": need.kv_bytes,
                           "total_bytes_per_rank": need.total_bytes, "device_bytes": have,
-                          "fits": fits}))
+                          "fits": fits, "prefill_chunk": chunk}))
     return 0
+
+
+def _chunk_text(chunk: int, source: str) -> str:
+    return f"{chunk} tokens ({'sized from the device memory' if source == 'auto' else source})"
 
 
 def weight_format(args, config) -> tuple[str, str]:
@@ -306,8 +331,11 @@ def run(args) -> int:
     problem = split_problem(config, args.tp, weights == "native")
     if problem:
         raise UsageError(problem)
+    options = Options.from_env()          # the DSV4_* flags, read once for the model and engine
+    chunk, chunk_source = _chunk_source(args, options)
     if args.estimate_only:
-        return print_estimate(args, config, prompts, context_len, device, weights)
+        return print_estimate(args, config, prompts, context_len, device, weights, chunk,
+                              chunk_source)
     split = start_group(args.tp, os.environ, device)    # torchrun's RANK, WORLD_SIZE, ...
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
@@ -317,14 +345,13 @@ def run(args) -> int:
         return tqdm(total=total, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True,
                     disable=True if args.quiet or not lead else None)
 
-    _check_fits(args, config, prompts, context_len, device, weights)
-    options = Options.from_env()          # the DSV4_* flags, read once for the model and engine
+    chunk = _check_fits(args, config, prompts, context_len, device, weights, chunk)
     with bar("loading weights") as b:
         model = _model(args, config, weights, context_len, device, lambda: b.update(), options,
                        split)
     eos = None if args.ignore_eos else model.config.eos_token_id
     engine = Engine(model, max_batch=len(prompts), max_context_len=context_len,
-                    eos_token_id=eos, graph=args.graph, options=options,
+                    eos_token_id=eos, graph=args.graph, options=options, prefill_chunk=chunk,
                     prefix_cache=_prefix_cache(args, model.config, context_len, len(prompts),
                                                options, split.group))
     cache, engine.prefix_cache = engine.prefix_cache, None   # the warm-up caches nothing
@@ -350,6 +377,7 @@ def run(args) -> int:
     report["weight_bytes_per_rank"] = sum(t.numel() * t.element_size() for t in (
         *model.parameters(), *model.buffers()))
     report["eager_reason"] = engine.eager_reason
+    report["prefill_chunk"], report["prefill_chunk_source"] = engine.prefill_chunk, chunk_source
     if lead:
         print_report(report, len(prompts), tokenizer, args.model_path)
         if args.json:

@@ -1,17 +1,34 @@
-"""A small batch-synchronous engine: admit prompts into the paged pools, prefill, then decode.
+"""A small batch-synchronous engine: admit prompts into the paged pools, prefill them in chunks,
+decode the running requests between the chunks.
 
 ``Engine(model, max_total_tokens=... | kv_bytes=...)`` owns its KV slots (``kv_slots.py``: the
 pool and allocator of ``mem_pool``, sized from a token count or a byte budget, and the request ->
 token table), which every request's pages and slot come from and go back to.
-``generate`` admits the prompts that fit (request slots and pages), prefills them in one extend
-step, then decodes all running requests together, one token per step (greedy, sampled as
-``sampling`` says, or the ``forced_tokens`` given). A request stops at max_new_tokens or
-``eos_token_id``; its pages are freed at once and it leaves the batch. When a decode step finds
-the pool exhausted, the latest admitted request is retracted to the host (``retraction.py``)
-and resumed when pages free up. SWA pages that leave the window are released after every step. Decode steps replay captured
-graphs (``graphs/decode_runner.py``) when ``options.graph`` (DSV4_GRAPH) is on. With a prefix
-cache (``prefix_cache=`` or DSV4_PREFIX_CACHE) a prompt's cached prefix is loaded instead of
-prefilled (``prefix_reuse.py``).
+
+``generate`` runs steps until every request is done. Each step has a budget of ``prefill_chunk``
+tokens (``Engine(prefill_chunk=...)``, ``Options.prefill_chunk``, DSV4_PREFILL_CHUNK; 0 = sized
+from the device's memory by ``memory_estimate.auto_prefill_chunk``): first one decode forward of
+every running request (one token each: greedy, sampled as ``sampling`` says, or the
+``forced_tokens`` given), then one extend forward over chunks of the prompts being prefilled,
+oldest first, with what is left of the budget, but never less than ``min_prefill_share`` (an
+eighth of the chunk, at least ``prefix_reuse.RING`` = 8 tokens) so a prompt always progresses
+however many requests decode. A chunk is an extend over the request's positions already in the
+cache; only a prompt's last chunk yields its first token, and the request joins the decode
+batch. A prompt is admitted (pages checked against everything the admitted prompts still have to
+take, then a slot and the pages of its first chunk) when its turn comes and they fit; each later
+chunk takes its own pages, and SWA pages that leave the window are released after every chunk
+and every decode step, so a prefilling request holds about chunk + window SWA slots.
+
+A request stops at max_new_tokens or ``eos_token_id``; its pages are freed at once and it leaves
+the batch. When a step finds the pool exhausted, the latest admitted prompt still prefilling goes
+back to the queue (its pages freed; it starts again when its turn comes) or, when none is, the
+latest admitted running request is retracted to the host (``retraction.py``) and resumed when
+pages free up. Decode steps replay captured graphs (``graphs/decode_runner.py``) when
+``options.graph`` (DSV4_GRAPH) is on. With a prefix cache (``prefix_cache=`` or
+DSV4_PREFIX_CACHE) a prompt's cached prefix is loaded instead of prefilled, and every whole page
+a chunk computes is inserted (``prefix_reuse.py``); chunks then end on a multiple of the
+compressor ring (``prefix_reuse.RING``) unless they end the prompt, so a page end's ring rows are
+always computed by one chunk.
 
 Flags are read once, when the engine is made: ``Engine(model, options=None)`` takes
 ``Options.from_env()`` then, and hands that value to every forward, to its graphs and to its
@@ -35,10 +52,11 @@ from mem_pool.kv_cache_spec import KVCacheSpec
 from .forward_batch import ForwardBatch, ForwardMode
 from .graphs.decode_runner import decode_inputs, make_decode_graph_runner
 from .kv_slots import KVSlots
+from .memory_estimate import auto_prefill_chunk, available_bytes
 from .options import Options
 from .paged_attention import RingRowCapture
-from .prefix_reuse import (boundary_capture, insert_prompt_pages, load_prefix, match_prompt,
-                           prefix_cache_from_options)
+from .prefix_reuse import (RING, boundary_capture, insert_prompt_pages, load_prefix,
+                           match_prompt, prefix_cache_from_options)
 from .request import Request
 from .request_checks import check_call, request_error
 from .retraction import retract, try_resume
@@ -61,7 +79,7 @@ class GenerateOutput:
 class EngineStats:
     decode_step_s: list[float] = field(default_factory=list)  # wall time of each decode step
     decode_tokens: int = 0               # tokens appended by decode steps
-    first_token_s: float | None = None   # from generate() to the end of its first prefill
+    first_token_s: float | None = None   # from generate() to the first prompt's first token
     graph_steps: int = 0                 # decode steps that replayed a graph
     eager_swa_translations: int = 0      # SWA gathers run by eager decode steps
     eager_swa_hits: int = 0              # SWA location cache hits of eager decode steps
@@ -70,7 +88,9 @@ class EngineStats:
     peak_full_tokens: int = 0            # most full-pool token slots in use at once
     peak_swa_tokens: int = 0
     prefill_s: list[float] = field(default_factory=list)  # wall time of each prefill step
-    prompt_tokens: int = 0               # prompt tokens admitted
+    prefill_chunks: list[int] = field(default_factory=list)  # prompt tokens of each such step
+    requeued: int = 0                    # prefilling prompts sent back to the queue
+    prompt_tokens: int = 0               # prompt tokens admitted (again when requeued)
     prefix_hit_tokens: int = 0           # of those, loaded from the prefix cache
 
     @property
@@ -104,13 +124,20 @@ class Engine:
     def __init__(self, model, max_total_tokens: int | None = None, swa_tokens: int | None = None,
                  page_size: int = PAGE_SIZE, max_batch: int = 8, max_context_len: int | None = None,
                  kv_bytes: int | None = None, eos_token_id: int | None = None,
-                 graph: bool | None = None, prefix_cache=None, options: Options | None = None):
+                 graph: bool | None = None, prefix_cache=None, options: Options | None = None,
+                 prefill_chunk: int | None = None):
         """prefix_cache: a ``mem_pool.prefix.PrefixCache`` of this page size and window,
         False for none, or None to follow options.prefix_cache (off by default). graph: capture
         and replay decode steps; None follows options.graph. options: what every step computes
-        with (a ``dsv4.Options``); None reads the DSV4_* flags now, once."""
+        with (a ``dsv4.Options``); None reads the DSV4_* flags now, once. prefill_chunk: the
+        token budget of a step (the most prompt tokens one extend computes); 0 sizes it from the
+        device's memory, None follows options.prefill_chunk."""
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
+        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(
+                prefill_chunk, int) or prefill_chunk < 0):
+            raise ValueError(f"prefill_chunk must be an int >= 1, 0 (sized from the device's "
+                             f"memory) or None (options.prefill_chunk), got {prefill_chunk!r}")
         cfg = model.config
         self.options = Options.from_env() if options is None else options
         self.model = model
@@ -126,6 +153,12 @@ class Engine:
         self.slots = KVSlots.sized(spec, page_size, max_batch, self.max_context_len, self.device,
                                    max_total_tokens, swa_tokens, kv_bytes)
         self.stats = EngineStats()
+        chunk = self.options.prefill_chunk if prefill_chunk is None else prefill_chunk
+        self.prefill_chunk = chunk or auto_prefill_chunk(
+            cfg, self.max_context_len, available_bytes(self.device),
+            self.pool.nbytes + sum(t.numel() * t.element_size()
+                                   for t in (*model.parameters(), *model.buffers())), page_size)
+        self.min_prefill_share = max(self.prefill_chunk // 8, RING)
         use_graph = self.options.graph if graph is None else graph
         # Tensor parallel on a GPU captures the collectives in the step (NCCL/RCCL); the CPU
         # emulation's graphs cannot hold gloo's, so there the ranks run eagerly.
@@ -186,100 +219,184 @@ class Engine:
         self._sampling = sampling
         self._generator = None if sampling.greedy else torch.Generator().manual_seed(sampling.seed)
         self._started = time.perf_counter()
-        waiting, retracted, running = deque(r for r in reqs if r.error is None), deque(), []
+        q = _Queues(deque(r for r in reqs if r.error is None))
         try:
-            while waiting or retracted or running:
-                self._schedule(waiting, retracted, running, return_logits)
-                if running:
-                    self._decode_step(running, retracted, return_logits)
+            while q.waiting or q.retracted or q.running or q.prefilling:
+                self._resume(q)
+                if q.running:
+                    self._decode_step(q, return_logits)
                     if on_step is not None:
                         on_step()
+                self._prefill_step(q, return_logits)
         finally:
-            for req in running:
+            for req in q.running + q.prefilling:
                 slots.release(req)
         logits = _stack_logits([r.logits for r in reqs]) if return_logits else None
         return GenerateOutput([r.out for r in reqs], logits, [r.error for r in reqs])
 
     # ---- admission --------------------------------------------------------------------------
 
-    def _schedule(self, waiting, retracted, running, return_logits) -> None:
+    def _resume(self, q: _Queues) -> None:
         """Resume retracted requests first (oldest first, keeping a page of headroom per running
-        request so they do not bounce straight back), then prefill the prompts that fit."""
+        request so they do not bounce straight back, and the pages the prefilling prompts
+        still have to take)."""
         slots = self.slots
-        while retracted and len(running) < self.max_batch and (
-                not running or slots.pages(retracted[0].seq_len) + len(running)
-                <= slots.free_pages()) and try_resume(slots, retracted[0]):
-            running.append(retracted.popleft())
+        while q.retracted and len(q.running) + len(q.prefilling) < self.max_batch and (
+                not (q.running or q.prefilling) or slots.pages(q.retracted[0].seq_len)
+                + len(q.running) + self._reserved(q) <= slots.free_pages()) and try_resume(
+                    slots, q.retracted[0]):
+            q.running.append(q.retracted.popleft())
             self.stats.resumptions += 1
-        if retracted and running:
-            return
-        admitted, pages = [], 0
-        while waiting and len(running) + len(admitted) < self.max_batch:
-            need = slots.pages(len(waiting[0].prompt))
-            if pages + need > slots.free_pages():
+
+    def _reserved(self, q: _Queues) -> int:
+        """Pages the prefilling prompts have still to take for their later chunks."""
+        slots = self.slots
+        return sum(slots.pages(len(r.prompt)) - slots.pages(len(r.locs)) for r in q.prefilling)
+
+    def _piece(self, start: int, prompt_len: int, budget: int) -> int:
+        """The tokens of a prompt's next chunk from `start` within `budget` (0: none fits). With
+        a prefix cache a chunk that does not end the prompt ends on a multiple of RING."""
+        end = min(prompt_len, start + budget)
+        if end < prompt_len and self.prefix_cache is not None:
+            end -= end % RING
+        return max(0, end - start)
+
+    def _admit(self, q: _Queues, budget: int) -> list[tuple[Request, int, torch.Tensor]]:
+        """Admit waiting prompts (oldest first) while request slots, pages (for the whole
+        prompt, beyond what the prefilling ones still take) and budget last: their first chunks
+        as (request, chunk start, device locations)."""
+        slots, cache, pieces = self.slots, self.prefix_cache, []
+        while q.waiting and len(q.running) + len(q.prefilling) < self.max_batch:
+            req = q.waiting[0]
+            if (slots.pages(len(req.prompt)) + self._reserved(q) > slots.free_pages()
+                    or budget < (RING if cache else 1)):
                 break
-            pages += need
-            admitted.append(waiting.popleft())
-        if admitted:
-            self._prefill(admitted, running, return_logits)
-        elif not running:
-            stuck = retracted.popleft() if retracted else waiting.popleft()
-            stuck.fail(f"KV pool exhausted: request {stuck.index} needs "
-                       f"{slots.pages(max(stuck.seq_len, len(stuck.prompt)))} pages of "
-                       f"{slots.page_size} tokens and the empty pool has {slots.free_pages()}")
+            hit = match_prompt(cache, req) if cache else None
+            k = hit.tokens if hit else 0
+            n = self._piece(k, len(req.prompt), budget)
+            locs = slots.take([req], [k + n])
+            if locs is None:
+                break
+            q.waiting.popleft()
+            slots.clear_state([req])
+            req.seq_len = k
+            if k:
+                load_prefix(slots, req, hit)
+            self.stats.prompt_tokens += len(req.prompt)
+            self.stats.prefix_hit_tokens += k
+            q.prefilling.append(req)
+            pieces.append((req, k, locs[k:]))
+            budget -= n
+        return pieces
+
+    def _requeue(self, q: _Queues) -> None:
+        """Send the latest admitted prefilling prompt back to the front of the queue."""
+        req = q.prefilling.pop()
+        self.slots.release(req)
+        req.seq_len = 0
+        q.waiting.appendleft(req)
+        self.stats.requeued += 1
+
+    def _next_chunks(self, q: _Queues, budget: int) -> list[tuple[Request, int, torch.Tensor]]:
+        """The next chunks of the prefilling prompts (oldest first) within budget, their pages
+        taken; when the pool is short, the latest prefilling prompt is requeued, else the latest
+        running request retracted."""
+        pieces = []
+        i = 0
+        while i < len(q.prefilling) and budget:
+            req = q.prefilling[i]
+            n = self._piece(req.seq_len, len(req.prompt), budget)
+            if n == 0:
+                break
+            locs = self.slots.extend([req], [n])
+            if locs is not None:
+                pieces.append((req, req.seq_len, locs))
+                budget -= n
+                i += 1
+            elif len(q.prefilling) > i + 1:
+                self._requeue(q)
+            elif q.running:
+                self._retract(q)
+            else:   # admission checked its pages: only a smaller pool than it saw gets here
+                raise RuntimeError(f"KV pool exhausted: the next chunk of request {req.index} "
+                                   f"({n} tokens) does not fit")
+        return pieces
+
+    def _retract(self, q: _Queues) -> None:
+        victim = q.running.pop()
+        retract(self.slots, victim)
+        q.retracted.appendleft(victim)
+        self.stats.retractions += 1
 
     # ---- steps ------------------------------------------------------------------------------
 
-    def _prefill(self, reqs: list[Request], running: list[Request], return_logits) -> None:
+    def _prefill_step(self, q: _Queues, return_logits) -> None:
+        """One extend forward over the next chunks of the prefilling prompts, then of newly
+        admitted ones, within the step's budget: the chunk less the decodes of this step, at
+        least min_prefill_share."""
         began = time.perf_counter()
-        cache = self.prefix_cache
-        hits = [match_prompt(cache, r) for r in reqs] if cache else [None] * len(reqs)
-        starts = [h.tokens if h else 0 for h in hits]
-        lens = torch.tensor([len(r.prompt) for r in reqs])
-        locs = self.slots.take(reqs, lens.tolist())
-        if locs is None:
-            raise RuntimeError(f"KV pool or request slots exhausted: prefill of "
-                               f"{int(lens.sum())} tokens in {len(reqs)} requests")
-        self.slots.clear_state(reqs)
-        start, new_locs = 0, []
-        for req, hit, k in zip(reqs, hits, starts):
-            req.seq_len = len(req.prompt)
-            if k:
-                load_prefix(self.slots, req, hit)
-            new_locs.append(locs[start + k:start + req.seq_len])
-            start += req.seq_len
+        budget = max(self.prefill_chunk - len(q.running), self.min_prefill_share)
+        pieces = self._next_chunks(q, budget)
+        budget -= sum(len(locs) for _, _, locs in pieces)
+        if not q.retracted or not (q.running or q.prefilling):
+            pieces += self._admit(q, budget)
+        if not pieces:
+            if not (q.running or q.prefilling) and (q.retracted or q.waiting):
+                self._resume(q)     # the last running request may have just finished
+                if not q.running:
+                    self._fail_stuck(q)
+            return
         self._note_usage()
-        self.stats.prompt_tokens += int(lens.sum())
-        self.stats.prefix_hit_tokens += sum(starts)
+        reqs = [req for req, _, _ in pieces]
+        starts = [k for _, k, _ in pieces]
+        ends = [k + len(locs) for _, k, locs in pieces]
         dev = self.device
-        new = lens - torch.tensor(starts)
-        positions = [p for k, n in zip(starts, lens.tolist()) for p in range(k, n)]
+        positions = [p for k, e in zip(starts, ends) for p in range(k, e)]
         batch = ForwardBatch(
             ForwardMode.EXTEND, input_ids=torch.tensor(
-                [t for r, k in zip(reqs, starts) for t in r.prompt[k:]], device=dev),
+                [t for r, k, e in zip(reqs, starts, ends) for t in r.prompt[k:e]], device=dev),
             positions=torch.tensor(positions, device=dev),
-            out_cache_loc=torch.cat(new_locs),
+            out_cache_loc=torch.cat([locs for _, _, locs in pieces]),
             req_pool_indices=torch.tensor([r.slot for r in reqs], device=dev),
-            seq_lens=lens.to(dev), extend_seq_lens=new.to(dev),
-            max_seq_len=max(len(r.prompt) for r in reqs),
-            host_positions=positions)
-        capture = boundary_capture(reqs, starts, self.slots.page_size, dev) if cache else None
+            seq_lens=torch.tensor(ends, device=dev),
+            extend_seq_lens=torch.tensor([e - k for k, e in zip(starts, ends)], device=dev),
+            max_seq_len=max(ends), host_positions=positions)
+        cache = self.prefix_cache
+        capture = (boundary_capture(reqs, starts, ends, self.slots.page_size, dev)
+                   if cache else None)
         rings = RingRowCapture(capture.rows) if capture is not None else None
         logits = self.forward(batch, ring_capture=rings)
         if capture is not None:
             insert_prompt_pages(self.slots, cache, capture, rings.states)
-        running.extend(reqs)
-        self._finish_step(reqs, running, logits, return_logits)
+        done = []
+        for i, (req, end) in enumerate(zip(reqs, ends)):
+            req.seq_len = end
+            if end == len(req.prompt):
+                done.append(i)
+                q.prefilling.remove(req)
+                q.running.append(req)
+            else:
+                self.slots.release_out_of_window(req, end)
+        if done:
+            self._finish_step([reqs[i] for i in done], q.running, logits[done], return_logits)
+        self.stats.prefill_chunks.append(len(positions))
         self.stats.prefill_s.append(time.perf_counter() - began)
-        if self.stats.first_token_s is None:
+        if done and self.stats.first_token_s is None:
             self.stats.first_token_s = time.perf_counter() - self._started
 
-    def _decode_step(self, running: list[Request], retracted: deque, return_logits) -> None:
+    def _fail_stuck(self, q: _Queues) -> None:
+        slots = self.slots
+        stuck = q.retracted.popleft() if q.retracted else q.waiting.popleft()
+        stuck.fail(f"KV pool exhausted: request {stuck.index} needs "
+                   f"{slots.pages(max(stuck.seq_len, len(stuck.prompt)))} pages of "
+                   f"{slots.page_size} tokens and the empty pool has {slots.free_pages()}")
+
+    def _decode_step(self, q: _Queues, return_logits) -> None:
         start = time.perf_counter()
-        locs = self._alloc_decode(running, retracted)
+        locs = self._alloc_decode(q)
         if locs is None:  # the one running request could not grow: it failed on its own
             return
-        dev = self.device
+        running, dev = q.running, self.device
         lens = torch.tensor([r.seq_len for r in running], device=dev)
         batch = ForwardBatch(ForwardMode.DECODE,
                              input_ids=torch.tensor([r.next_input for r in running], device=dev),
@@ -292,24 +409,26 @@ class Engine:
         self._finish_step(list(running), running, logits, return_logits)
         self.stats.decode_step_s.append(time.perf_counter() - start)
 
-    def _alloc_decode(self, running: list[Request], retracted: deque) -> torch.Tensor | None:
-        """One more location per running request (``KVSlots.grow``); retracts the latest admitted
-        until they fit (None: the last one alone did not fit and failed)."""
+    def _alloc_decode(self, q: _Queues) -> torch.Tensor | None:
+        """One more location per running request (``KVSlots.grow``); requeues the latest
+        prefilling prompt, else retracts the latest admitted running request, until they fit
+        (None: the last one alone did not fit and failed)."""
+        running = q.running
         while True:
             locs = self.slots.grow(running)
             if locs is not None:
                 self._note_usage()
                 return locs
+            if q.prefilling:
+                self._requeue(q)
+                continue
             if len(running) == 1:
                 req = running.pop()
                 self.slots.release(req)
                 req.fail(f"KV pool exhausted: request {req.index} alone needs more than the "
                          f"pool's {self.allocator.size_full} tokens")
                 return None
-            victim = running.pop()
-            retract(self.slots, victim)
-            retracted.appendleft(victim)
-            self.stats.retractions += 1
+            self._retract(q)
 
     def _decode_forward(self, batch: ForwardBatch) -> torch.Tensor:
         if self.graph_runner is None:
@@ -343,6 +462,16 @@ class Engine:
         (full, swa), s = self.slots.tokens_in_use(), self.stats
         s.peak_full_tokens = max(s.peak_full_tokens, full)
         s.peak_swa_tokens = max(s.peak_swa_tokens, swa)
+
+
+@dataclass
+class _Queues:
+    """Where each request of a generate call is: waiting for admission, prefilling (holding a
+    slot and the pages of the chunks done), running (decoding) or retracted to the host."""
+    waiting: deque
+    prefilling: list = field(default_factory=list)
+    running: list = field(default_factory=list)
+    retracted: deque = field(default_factory=deque)
 
 
 def _stack_logits(per_request: list[list[torch.Tensor]]) -> torch.Tensor | None:

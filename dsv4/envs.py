@@ -43,3 +43,8 @@ PREFIX_CACHE_HOST_PAGES = int_flag(
 PREFIX_CACHE_DIR = str_flag(
     "DSV4_PREFIX_CACHE_DIR", "",
     "directory of the prefix cache's file tier (empty = no file tier)", PKG)
+PREFILL_CHUNK = int_flag(
+    "DSV4_PREFILL_CHUNK", 0,
+    "the engine prefills a prompt in chunks of at most this many tokens, and gives each step this "
+    "many tokens: the running requests' decodes first, then prompt chunks (0 = sized from the "
+    "device's memory, see dsv4/memory_estimate.py)", PKG)

@@ -5,7 +5,8 @@ each request holds in them.
 its two-sided allocator (``mem_pool``, sized from a token count or a byte budget) and the request
 -> token table (request slot 0 is the dummy that padded graph rows use; ``max_requests`` live
 slots follow it). Its operations move a ``Request``'s hold: ``take`` gives requests fresh pages
-from a page boundary and a slot each, their rows written in the table; ``grow`` gives every
+from a page boundary and a slot each, their rows written in the table; ``extend`` gives a
+request that holds a slot its next positions (a prompt's next chunk); ``grow`` gives every
 running request its next location; ``release_out_of_window`` frees the SWA pages that left the
 window; ``release`` gives back pages and slot; ``host_copy``, ``host_rows`` and
 ``load_host_copy`` move a request's KV to the host and back (retraction, the prefix cache). The
@@ -36,8 +37,9 @@ def pool_sizes(spec: KVCacheSpec, page_size: int, max_requests: int, max_context
                max_total_tokens: int | None = None, swa_tokens: int | None = None,
                kv_bytes: int | None = None) -> tuple[int, int]:
     """(full tokens, SWA tokens): given, from a byte budget, or enough for max_requests requests
-    of max_context_len. A prefill takes SWA slots for every prompt token (pages that leave the
-    window are freed after the step), so by default the SWA side matches the full side."""
+    of max_context_len. A prefill chunk takes SWA slots for every token it computes (pages that
+    leave the window are freed after the chunk), so by default the SWA side matches the full
+    side."""
     if kv_bytes is not None:
         if max_total_tokens is not None:
             raise ValueError("pass max_total_tokens or kv_bytes, not both")
@@ -128,6 +130,34 @@ class KVSlots:
             req.slot = self.req_to_token_pool.alloc()
             self.req_to_token_pool.write(req.slot, 0, locs[start:start + n])
             req.locs, req.swa_freed_to = host[start:start + n], 0
+            start += n
+        return locs
+
+    def extend(self, reqs: list[Request], tokens: list[int]) -> torch.Tensor | None:
+        """tokens[i] more positions for reqs[i], which holds a slot, after the len(locs) it
+        holds (a prompt's next chunk), written in its table row and appended to its locs: the
+        device locations, request by request. None, with nothing taken, when the pool is short."""
+        if not reqs or len(tokens) != len(reqs):
+            raise ValueError(f"tokens must hold one count per request of reqs (a non-empty "
+                             f"list): got {len(tokens)} for {len(reqs)}")
+        held = []
+        for i, (req, n) in enumerate(zip(reqs, tokens)):
+            self._slot("reqs", i, req)
+            _check_counts(**{f"tokens[{i}]": n})
+            held.append(len(req.locs))
+            if held[-1] + n > self.req_to_token_pool.max_context_len:
+                raise ValueError(f"tokens[{i}]={n} after the {held[-1]} positions request "
+                                 f"{req.index} holds exceeds max_context_len="
+                                 f"{self.req_to_token_pool.max_context_len}")
+        prefix, lens = torch.tensor(held), torch.tensor(tokens)
+        last = torch.tensor([r.locs[-1] if r.locs else -1 for r in reqs])
+        locs = self.allocator.alloc_extend(prefix, prefix + lens, last, int(lens.sum()))
+        if locs is None:
+            return None
+        host, start = self.allocator.last_handed_out.tolist(), 0
+        for req, p, n in zip(reqs, held, tokens):
+            self.req_to_token_pool.write(req.slot, p, locs[start:start + n])
+            req.locs.extend(host[start:start + n])
             start += n
         return locs
 

@@ -5,10 +5,16 @@ the format the model holds them: ``weights="native"``, the published formats (FP
 their 128x128 block scales, FP4 routed experts with their 1x32 scales, ``weights.formats``), or
 ``weights="bf16"``, every quantized weight dequantized to bf16; what the reference keeps in
 bf16/fp32 counts as such either way. The KV pool comes from `mem_pool.footprint` for `batch`
-requests of `context_len` tokens. The prefill
-is one extend step over every prompt token, whose attention metadata holds, per compress ratio,
-an int64 location and a validity flag for each (prompt token, compressed row) pair: that grows
-with the square of the prompt length and is counted too (`PREFILL_BYTES_PER_ROW`).
+requests of `context_len` tokens. A prompt is
+prefilled in chunks of at most ``prefill_chunk`` tokens (the engine's extend steps); one step's
+attention metadata holds, per compress ratio, an int64 location and a validity flag for each
+(chunk token, compressed row of the context) pair, counted too (`PREFILL_BYTES_PER_ROW`): the
+prefill share grows with the chunk times the context, not with the square of the prompt.
+
+``auto_prefill_chunk`` sizes the chunk when the user does not: the largest power of two between
+one page and ``MAX_AUTO_CHUNK`` tokens whose prefill share fits in what the device has left after
+the weights, the KV pool and a margin of ``MARGIN_FRACTION`` of the device's memory (one page
+when even that does not fit: the run's own fit check then says so).
 
 With tensor parallelism over ``tp`` ranks the estimate is one rank's: its part of the weights (the
 split of ``dsv4.parallel``: its heads, output groups, routed experts and vocab rows, and every
@@ -31,6 +37,8 @@ GIB = 2 ** 30
 # and bool flag it keeps, and the int64 temporaries alive while they are built.
 PREFILL_BYTES_PER_ROW = 32
 WEIGHT_FORMATS = ("native", "bf16")
+MAX_AUTO_CHUNK = 8192   # the largest chunk auto_prefill_chunk picks (tokens)
+MARGIN_FRACTION = 0.05  # of the device's memory, kept free by auto_prefill_chunk
 
 
 @dataclass(frozen=True)
@@ -49,11 +57,25 @@ class MemoryEstimate:
                 "for the prefill step)")
 
 
-def prefill_bytes(config, prompt_tokens: int, context_len: int) -> int:
-    """Working memory of one extend step over prompt_tokens tokens (see the module docstring)."""
+def prefill_bytes(config, chunk: int, context_len: int) -> int:
+    """Working memory of one extend step over `chunk` tokens of requests of up to context_len
+    tokens (see the module docstring)."""
     ratios = {r for r in config.compress_ratios[:config.n_layers] if r}
     rows = sum(context_len // r for r in ratios)
-    return prompt_tokens * rows * PREFILL_BYTES_PER_ROW
+    return chunk * rows * PREFILL_BYTES_PER_ROW
+
+
+def auto_prefill_chunk(config, context_len: int, device_bytes: int, weight_and_kv_bytes: int,
+                       page_size: int = 256) -> int:
+    """The prefill chunk (tokens) a device of device_bytes holding weight_and_kv_bytes of
+    weights and KV pool can take: the largest power of two c, page_size <= c <=
+    MAX_AUTO_CHUNK, with prefill_bytes(config, c, context_len) <= device_bytes * (1 -
+    MARGIN_FRACTION) - weight_and_kv_bytes; page_size when none fits."""
+    spare = device_bytes * (1 - MARGIN_FRACTION) - weight_and_kv_bytes
+    chunk = MAX_AUTO_CHUNK
+    while chunk > page_size and prefill_bytes(config, chunk, context_len) > spare:
+        chunk //= 2
+    return max(chunk, page_size)
 
 
 def weight_bytes(config, weights: str = "native", max_seq_len: int = 4096, tp: int = 1) -> int:
@@ -73,16 +95,16 @@ def weight_bytes(config, weights: str = "native", max_seq_len: int = 4096, tp: i
 
 
 def estimate(config, batch: int, context_len: int, page_size: int = 256,
-             prompt_tokens: int = 0, weights: str = "native", tp: int = 1) -> MemoryEstimate:
-    """Bytes a run of ``batch`` requests of up to ``context_len`` tokens needs, with a prefill
-    of ``prompt_tokens`` tokens in all, the weights held as ``weights`` ("native" or "bf16"); on
-    each rank of ``tp``."""
+             prefill_tokens: int = 0, weights: str = "native", tp: int = 1) -> MemoryEstimate:
+    """Bytes a run of ``batch`` requests of up to ``context_len`` tokens needs, with prefill
+    steps of up to ``prefill_tokens`` tokens (the chunk, or all the prompt tokens when they are
+    fewer), the weights held as ``weights`` ("native" or "bf16"); on each rank of ``tp``."""
     spec = KVCacheSpec(compress_ratios=config.compress_ratios[:config.n_layers],
                        window_size=config.window_size)
     tokens = batch * -(-context_len // page_size) * page_size
     kv = footprint(spec, page_size).total_bytes(tokens, tokens, batch + 1)
     return MemoryEstimate(weight_bytes(config, weights, context_len, tp), kv,
-                          prefill_bytes(config, prompt_tokens, context_len))
+                          prefill_bytes(config, prefill_tokens, context_len))
 
 
 def shortfall(need: MemoryEstimate, have_bytes: int, where: str) -> str | None:
@@ -91,7 +113,8 @@ def shortfall(need: MemoryEstimate, have_bytes: int, where: str) -> str | None:
     if need.total_bytes <= have_bytes:
         return None
     return (f"this run needs about {need.describe()} but {where} has {have_bytes / GIB:.1f} GiB; "
-            "use a smaller model, shorter or fewer prompts, or pass --force")
+            "use a smaller model, shorter or fewer prompts, a smaller --prefill-chunk, or pass "
+            "--force")
 
 
 def available_bytes(device: torch.device) -> int:

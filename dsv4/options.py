@@ -34,7 +34,9 @@ class Options:
     compressors on side streams (DSV4_MULTI_STREAM_PREPARE); graph, graph_batch_sizes,
     graph_backend: whether and how decode steps are captured (DSV4_GRAPH*); check_weights: scan
     loaded weights (DSV4_CHECK_WEIGHTS); prefix_cache, prefix_cache_host_pages,
-    prefix_cache_dir: the engine's prefix cache (DSV4_PREFIX_CACHE*)."""
+    prefix_cache_dir: the engine's prefix cache (DSV4_PREFIX_CACHE*); prefill_chunk: the most
+    prompt tokens one prefill step computes, 0 = sized from the device's memory
+    (DSV4_PREFILL_CHUNK)."""
 
     numerics: str = "reference"
     kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS
@@ -47,6 +49,7 @@ class Options:
     prefix_cache: bool = False
     prefix_cache_host_pages: int = 0
     prefix_cache_dir: str = ""
+    prefill_chunk: int = 0
 
     # The fields that change what a step computes (and so what a captured graph holds).
     STEP_FIELDS = ("numerics", "kernel", "fused_swa_translate", "multi_stream_prepare")
@@ -58,6 +61,10 @@ class Options:
                                      ("graph_backend", self.graph_backend, GRAPH_BACKENDS)):
             if value not in allowed:
                 raise ValueError(f"{name}={value!r}: expected one of {'|'.join(allowed)}")
+        if isinstance(self.prefill_chunk, bool) or not isinstance(self.prefill_chunk, int) or (
+                self.prefill_chunk < 0):
+            raise ValueError(f"prefill_chunk={self.prefill_chunk!r}: expected an int >= 1, or 0 "
+                             "(sized from the device's memory)")
         if not isinstance(self.kernel, KernelOptions):
             raise TypeError(f"kernel must be a hip_kernels.KernelOptions, got "
                             f"{type(self.kernel).__name__}")
@@ -72,7 +79,8 @@ class Options:
                    graph_backend=envs.GRAPH_BACKEND.get(), check_weights=envs.CHECK_WEIGHTS.get(),
                    prefix_cache=envs.PREFIX_CACHE.get(),
                    prefix_cache_host_pages=envs.PREFIX_CACHE_HOST_PAGES.get(),
-                   prefix_cache_dir=envs.PREFIX_CACHE_DIR.get())
+                   prefix_cache_dir=envs.PREFIX_CACHE_DIR.get(),
+                   prefill_chunk=envs.PREFILL_CHUNK.get())
 
     @property
     def reference(self) -> bool:

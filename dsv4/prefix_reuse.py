@@ -6,11 +6,12 @@ pages for the whole prompt as usual; the cached positions are written into them 
 copy (SWA pages before the window are freed first, so the copy's SWA rows and the request's
 slots line up, as after a retraction), and the prefill extends only the rest.
 
-After the prefill every whole prompt page the cache lacks is inserted: its rows copied from the
-device, and the ratio-4 compressor rings at the page's end taken from the forward itself (the
-batch asks for the (kv, score) rows of the ``ring`` positions before each page end, which is
-exactly what a ring holds there; pages are multiples of the ring, so position p sits at ring
-row p % ring in order).
+After each prefill chunk every whole prompt page it completed that the cache lacks is inserted
+(before the chunk's SWA pages that left the window are freed): its rows copied from the device,
+and the ratio-4 compressor rings at the page's end taken from the forward itself (the batch asks
+for the (kv, score) rows of the ``ring`` positions before each page end, which is exactly what a
+ring holds there; pages are multiples of the ring, so position p sits at ring row p % ring in
+order, and chunks start on a multiple of the ring, so one chunk computes all of them).
 """
 
 from __future__ import annotations
@@ -65,22 +66,28 @@ class BoundaryCapture:
     ends: list[tuple[Request, int, int]]
 
 
-def boundary_capture(reqs: list[Request], starts: list[int], page_size: int,
+def boundary_capture(reqs: list[Request], starts: list[int], stops: list[int], page_size: int,
                      device) -> BoundaryCapture:
-    """The batch rows whose ring rows the prefill must hand back: for every page end b the
-    extend covers, the RING positions before b."""
+    """The batch rows whose ring rows an extend over positions starts[i]..stops[i]-1 of reqs[i]
+    must hand back: for every page end b it covers, the RING positions before b (all in this
+    extend: its start is a multiple of RING, the engine's chunks see to it)."""
     rows, ends, offset = [], [], 0
-    for req, start in zip(reqs, starts):
-        for end in range(start + page_size, len(req.prompt) + 1, page_size):
+    for req, start, stop in zip(reqs, starts, stops):
+        if start % RING:
+            raise ValueError(f"starts: request {req.index}'s extend starts at {start}, not a "
+                             f"multiple of the ring ({RING})")
+        first = (start // page_size + 1) * page_size
+        for end in range(first, stop + 1, page_size):
             ends.append((req, end // page_size - 1, len(rows)))
             rows.extend(range(offset + end - RING - start, offset + end - start))
-        offset += len(req.prompt) - start
+        offset += stop - start
     return BoundaryCapture(torch.tensor(rows, dtype=torch.int64, device=device), ends)
 
 
 def insert_prompt_pages(slots: KVSlots, cache: PrefixCache, capture: BoundaryCapture,
                         captured: dict[str, dict[int, torch.Tensor]] | None) -> None:
-    """Insert the whole prompt pages this prefill computed that the cache does not hold."""
+    """Insert the whole prompt pages this prefill chunk completed that the cache does not
+    hold."""
     by_req: dict[int, list[tuple[int, int]]] = {}
     for req, page, row in capture.ends:
         by_req.setdefault(id(req), []).append((page, row))

@@ -39,12 +39,12 @@ def test_flash_and_pro_sizes():
 
 
 def test_flash_fits_a_192_gb_device_natively_and_not_80_gb():
-    need = estimate(ModelConfig.preset("flash"), 4, 48, prompt_tokens=128)
+    need = estimate(ModelConfig.preset("flash"), 4, 48, prefill_tokens=128)
     assert shortfall(need, 192 * GB, "a 192 GB device") is None
     problem = shortfall(need, 80 * GB, "an 80 GB device")
     assert problem.startswith("this run needs about 148.") and "an 80 GB device has 74.5 GiB" \
         in problem
-    bf16 = estimate(ModelConfig.preset("flash"), 4, 48, prompt_tokens=128, weights="bf16")
+    bf16 = estimate(ModelConfig.preset("flash"), 4, 48, prefill_tokens=128, weights="bf16")
     assert shortfall(bf16, 192 * GB, "a 192 GB device").startswith("this run needs about 531.")
 
 
@@ -82,8 +82,8 @@ def test_the_estimate_line_a_user_reads():
     assert shortfall(need, need.total_bytes, "cpu") is None
     assert shortfall(need, need.total_bytes - 1, "cpu") == (
         "this run needs about 3.8 GiB (3.0 GiB of weights, 0.50 GiB of KV cache, 0.25 GiB for the "
-        "prefill step) but cpu has 3.7 GiB; use a smaller model, shorter or fewer prompts, or pass "
-        "--force")
+        "prefill step) but cpu has 3.7 GiB; use a smaller model, shorter or fewer prompts, a "
+        "smaller --prefill-chunk, or pass --force")
 
 
 def test_the_kv_estimate_holds_whole_pages_for_each_requests_context():

@@ -16,6 +16,7 @@ def report(n_tokens: list[int], passes: int = 1, prefix_cache: bool = False) -> 
             "tokens_per_s": 1.0, "swa_translations_per_step": None,
             "swa_cache_hits_per_step": None, "retractions": 0, "prefix_cache": prefix_cache,
             "weights": "native", "weights_reason": "default: the published FP8/FP4 formats",
+            "prefill_chunk": 256, "prefill_chunk_source": "auto",
             "pool_usage": {"full_tokens_peak": 1, "full_tokens": 2, "swa_tokens_peak": 1,
                            "swa_tokens": 2, "peak_fraction": 0.5},
             "passes": [{"pass": i, **one} for i in range(passes)]}
@@ -49,6 +50,17 @@ def test_pass_lines_only_where_they_add_something(capsys, passes, prefix_cache, 
     print_report(report([1], passes, prefix_cache), 1, None)
     out = capsys.readouterr().out.splitlines()
     assert len([line for line in out if line.startswith("pass ")]) == lines
+
+
+@pytest.mark.parametrize("source, said", [("auto", "sized from the device memory"),
+                                          ("--prefill-chunk", "--prefill-chunk"),
+                                          ("DSV4_PREFILL_CHUNK", "DSV4_PREFILL_CHUNK")])
+def test_the_prefill_line_gives_the_chunk_and_what_chose_it(capsys, source, said):
+    from dsv4.cli_generate import print_report
+
+    print_report({**report([1]), "prefill_chunk_source": source}, 1, None)
+    assert (f"prefill: time to first token 1.0 ms; chunks of at most 256 tokens ({said})"
+            in capsys.readouterr().out.splitlines())
 
 
 def test_an_eager_run_says_why_it_is_eager(capsys):
@@ -97,7 +109,7 @@ def test_estimate_only_json_line_matches_the_printed_estimate(capsys, flag_env):
         text, line = capsys.readouterr().out.strip().rsplit("\n", 1)
         r = json.loads(line)
         assert set(r) == {"tp", "weights", "weight_bytes_per_rank", "kv_bytes",
-                          "total_bytes_per_rank", "device_bytes", "fits"}
+                          "total_bytes_per_rank", "device_bytes", "fits", "prefill_chunk"}
         assert r["tp"] == (8 if "--tp" in args else 1) and r["fits"] is fits
         assert r["device_bytes"] == int(float(args[-1]) * 2 ** 30)
         assert r["total_bytes_per_rank"] >= r["weight_bytes_per_rank"] + r["kv_bytes"]
@@ -107,4 +119,5 @@ def test_estimate_only_json_line_matches_the_printed_estimate(capsys, flag_env):
             f"memory per rank (--tp {r['tp']}, {r['weights']} weights): {total:.1f} GiB "
             f"({weights:.1f} GiB of weights, {kv:.2f} GiB of KV cache, "
             f"{total - weights - kv:.2f} GiB for the prefill step)",
-            f"fits a {float(args[-1]):g} GiB device ({device:.1f} GiB): {'yes' if fits else 'no'}"]
+            f"fits a {float(args[-1]):g} GiB device ({device:.1f} GiB): {'yes' if fits else 'no'}",
+            f"prefill chunk: {r['prefill_chunk']} tokens (sized from the device memory)"]

@@ -55,6 +55,37 @@ def test_take_returns_none_with_nothing_taken_when_pages_or_slots_are_short(shor
     assert held(slots) == before and all(r.slot is None and r.locs == [] for r in reqs)
 
 
+def test_extend_continues_each_requests_last_page_then_takes_new_ones():
+    """A prompt's next chunk: 20 positions, then 5 more (page 2 goes on), then 13 (fills page 2
+    and takes page 3); the table row and locs follow, seq_len is the engine's to set."""
+    slots = make_slots()
+    reqs = requests(38, 5)
+    slots.take(reqs, [20, 5])
+    locs = slots.extend(reqs, [5, 12])
+    assert locs.tolist() == reqs[0].locs[20:] + reqs[1].locs[5:]
+    assert reqs[0].locs[20:] == list(range(reqs[0].locs[19] + 1, reqs[0].locs[19] + 6))
+    slots.extend(reqs[:1], [13])
+    for r in reqs:
+        assert slots.req_to_token_pool.req_to_token[r.slot, :len(r.locs)].tolist() == r.locs
+    assert [len(r.locs) for r in reqs] == [38, 17] and [r.seq_len for r in reqs] == [0, 0]
+    assert held(slots)[:2] == (3 * P, 3 * P)      # 3 + 2 pages held of 8
+    assert len({loc // P for loc in reqs[0].locs}) == 3
+
+
+def test_extend_refuses_a_request_without_a_slot_or_past_its_context_with_nothing_taken():
+    slots = make_slots()
+    reqs = requests(4, 4)
+    slots.take(reqs[:1], [4])
+    before = held(slots)
+    with pytest.raises(ValueError, match=r"reqs\[1\] \(request 1\) holds no request slot"):
+        slots.extend(reqs, [1, 1])
+    with pytest.raises(ValueError, match=r"tokens\[0\]=125 after the 4 positions"):
+        slots.extend(reqs[:1], [MAX_LEN - 3])
+    with pytest.raises(ValueError, match=r"tokens\[0\] must be an int >= 1"):
+        slots.extend(reqs[:1], [0])
+    assert held(slots) == before and len(reqs[0].locs) == 4
+
+
 def test_grow_writes_the_next_position_and_counts_it():
     slots = make_slots()
     reqs = requests(P, 3)

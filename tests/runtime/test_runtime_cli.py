@@ -16,7 +16,7 @@ from dsv4 import ModelConfig, save_random_checkpoint
 
 KEYS = {"tokens", "ttft_ms", "decode_tokens_per_s", "tokens_per_s", "step_latency_ms_p50",
         "step_latency_ms_p90", "swa_translations_per_step", "graph", "pool_usage", "weights",
-        "weights_reason"}
+        "weights_reason", "prefill_chunk"}
 
 
 def clean_env(**extra):
@@ -170,8 +170,13 @@ ERRORS = {  # arguments (and environment) -> the one line expected on stderr
                               "error: --weights native: the FP8/FP4 linears need input dims that "
                               "are multiples of 128; this config has dim=64, q_lora_rank=32, "
                               "o_groups*o_lora_rank=64, moe_inter_dim=32; use --weights bf16"),
-    "prompt too large for the machine": (["--prompt-len", "100000"], {},
-                                         "error: this run needs about "),
+    "prefill chunk too large for the machine": (["--prompt-len", "100000", "--prefill-chunk",
+                                                 "100000"], {}, "error: this run needs about "),
+    "prefill chunk 0": (["--prefill-chunk", "0"], {},
+                        "error: --prefill-chunk must be a whole number of tokens >= 1 or auto, "
+                        "got '0'"),
+    "negative prefill chunk flag": ([], {"DSV4_PREFILL_CHUNK": "-1"},
+                                    "error: prefill_chunk=-1: expected an int >= 1, or 0"),
     "bad sampling": (["--top-p", "0"], {}, "error: top_p must be in (0, 1], got 0.0"),
 }
 
@@ -292,11 +297,11 @@ def test_the_prefill_is_part_of_the_memory_estimate():
     from dsv4.memory_estimate import PREFILL_BYTES_PER_ROW, estimate
 
     tiny = ModelConfig.preset("tiny")          # ratios 4 and 128: 25,004 + 781 rows at 100,016
-    big = estimate(tiny, 4, 100_016, prompt_tokens=400_000)
-    assert big.prefill_bytes == 400_000 * (25_004 + 781) * PREFILL_BYTES_PER_ROW
+    big = estimate(tiny, 4, 100_016, prefill_tokens=4096)   # one chunk of 4096 tokens
+    assert big.prefill_bytes == 4096 * (25_004 + 781) * PREFILL_BYTES_PER_ROW
     assert big.total_bytes == big.weight_bytes + big.kv_bytes + big.prefill_bytes
     assert "GiB for the prefill step" in big.describe()
-    assert estimate(tiny, 4, 48).prefill_bytes == 0   # no prompt tokens given: no prefill
+    assert estimate(tiny, 4, 48).prefill_bytes == 0   # no prefill tokens given: no prefill
 
 
 def test_every_generate_option_says_its_default():
