@@ -22,6 +22,13 @@ if not torch.cuda.is_available():
 
 from hip_kernels import flags  # noqa: E402
 
+# One thread for the whole session, module- and session-scoped fixtures included (they are set up
+# before any function-scoped fixture could take one): the models here are tiny, and on a busy
+# 2-core machine OpenMP's hand-offs cost more than the ops (measured 4x slower with 2 threads).
+# The processes the tests start take one thread themselves (the CLI, the benchmark scripts and
+# the rank workers set it).
+torch.set_num_threads(1)
+
 # glibc's malloc hands every freed block above 128 KiB-32 MiB back to the kernel, and the next
 # allocation of that size faults its pages in again, zeroed: the engine's prefill and decode
 # allocate and free activations of that size in every op, which cost as much system time as the
@@ -68,14 +75,3 @@ def flag_env(monkeypatch):
     flags.refresh()
     platform.backend.cache_clear()
     platform.gpu_arch.cache_clear()
-
-
-@pytest.fixture
-def one_thread():
-    """The tiny model's ops are far too small to share between threads: on a busy 2-core machine
-    OpenMP's hand-offs cost more than the ops (measured 4x slower with 2 threads)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-

@@ -14,7 +14,6 @@ from hip_kernels import set_kv_ref
 from hip_kernels.options import KernelOptions
 from tiny_model import tiny_model
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 MAX_FRAMES = 4
 
 

@@ -28,7 +28,6 @@ from reference_logits_fixtures import (DATA, checkpoint_digest, fixture_for_here
                                        report)
 
 FIXTURES = sorted(DATA.glob("reference_logits_tiny_*.safetensors"))
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def read_fixture():

@@ -31,7 +31,6 @@ from reference_logits_fixtures import (DATA, checkpoint_digest, fixture_for_here
 
 FIXTURES = sorted(DATA.glob("reference_logits_fp8_*.safetensors"))
 BF16_FIXTURES = sorted(DATA.glob("reference_logits_tiny_*.safetensors"))
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def read_fixture() -> tuple[dict[str, torch.Tensor], dict]:

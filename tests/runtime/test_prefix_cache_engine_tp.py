@@ -34,16 +34,11 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def pass_one(tmp_path_factory):
-    """(the file tier pass 1 leaves, the run without the cache), on one thread as the ranks."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        m = worker.model()
-        pages = tmp_path_factory.mktemp("pass1") / "pages"
-        worker.fill_pages(m, pages)
-        return pages, worker.without_cache(m)
-    finally:
-        torch.set_num_threads(threads)
+    """(the file tier pass 1 leaves, the run without the cache)."""
+    m = worker.model()
+    pages = tmp_path_factory.mktemp("pass1") / "pages"
+    worker.fill_pages(m, pages)
+    return pages, worker.without_cache(m)
 
 
 @pytest.fixture(scope="module")
