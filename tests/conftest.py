@@ -6,7 +6,9 @@ on before the first `import triton` in the process, so it is set here, at collec
 the run is on a GPU.
 """
 
+import ctypes
 import os
+import platform
 import sys
 from pathlib import Path
 
@@ -19,6 +21,27 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from hip_kernels import flags  # noqa: E402
+
+# One thread for the whole session, module- and session-scoped fixtures included (they are set up
+# before any function-scoped fixture could take one): the models here are tiny, and on a busy
+# 2-core machine OpenMP's hand-offs cost more than the ops (measured 4x slower with 2 threads).
+# The processes the tests start take one thread themselves (the CLI, the benchmark scripts and
+# the rank workers set it).
+torch.set_num_threads(1)
+
+# glibc's malloc hands every freed block above 128 KiB-32 MiB back to the kernel, and the next
+# allocation of that size faults its pages in again, zeroed: the engine's prefill and decode
+# allocate and free activations of that size in every op, which cost as much system time as the
+# compute's user time (a 540-token tiny prefill: 5.6 s system, 7.1 s user; 0.5 s system with
+# the thresholds below). Freed memory is kept for reuse instead, here (mallopt) and in every
+# process the tests start (the environment). It changes no result, only where memory comes from.
+KEEP_FREED_BYTES = 1 << 30
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+if platform.libc_ver()[0] == "glibc":
+    for option, name in ((M_TRIM_THRESHOLD, "MALLOC_TRIM_THRESHOLD_"),
+                         (M_MMAP_THRESHOLD, "MALLOC_MMAP_THRESHOLD_")):
+        ctypes.CDLL(None).mallopt(option, KEEP_FREED_BYTES)
+        os.environ.setdefault(name, str(KEEP_FREED_BYTES))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -52,14 +75,3 @@ def flag_env(monkeypatch):
     flags.refresh()
     platform.backend.cache_clear()
     platform.gpu_arch.cache_clear()
-
-
-@pytest.fixture
-def one_thread():
-    """The tiny model's ops are far too small to share between threads: on a busy 2-core machine
-    OpenMP's hand-offs cost more than the ops (measured 4x slower with 2 threads)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-

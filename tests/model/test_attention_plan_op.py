@@ -34,7 +34,7 @@ class RecordPlans(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
-def test_the_fake_gives_the_real_outputs_shapes_and_dtypes(flag_env, one_thread, graph):
+def test_the_fake_gives_the_real_outputs_shapes_and_dtypes(flag_env, graph):
     flag_env()
     engine = Engine(tiny_model(64, seed=0), max_batch=2, max_context_len=64, graph=graph)
     with RecordPlans() as calls:

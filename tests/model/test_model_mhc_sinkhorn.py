@@ -4,7 +4,6 @@ logits spread so widely that two iterations fewer cannot pass."""
 
 import dataclasses
 
-import pytest
 import torch
 
 import dense_reference as ref
@@ -16,7 +15,6 @@ from kv_inputs import gen
 from tiny_model import tiny_model
 
 TINY = ModelConfig.preset("tiny")
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 SINKHORN_ITERS = 20     # hc_sinkhorn_iters of the published configs (test_model_config)
 

@@ -29,7 +29,6 @@ ROUTE_REGRET_TOL = 0.02
 MAX_LEN = 512
 
 TINY = ModelConfig.preset("tiny")
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

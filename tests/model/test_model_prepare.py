@@ -12,7 +12,6 @@ from hip_kernels import set_kv
 from tiny_model import tiny_model
 
 TINY = ModelConfig.preset("tiny")
-pytestmark = pytest.mark.usefixtures("one_thread")
 PROMPTS = [[5, 6, 7, 8, 9] * 27, [1, 2, 3]]       # 135 tokens (past the window) and 3
 STEPS = 4
 

@@ -20,7 +20,6 @@ from hip_kernels import set_kv, set_kv_ref
 from hip_kernels.options import KernelOptions
 from tiny_model import tiny_model
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = Path(__file__).resolve().parents[2]
 OURS = tuple(f"{ROOT / package}{os.sep}" for package in ("hip_kernels", "mem_pool", "dsv4"))
 MAX_FRAMES = 6

@@ -30,7 +30,6 @@ from reference_logits_fixtures import (DATA, checkpoint_digest, fixture_for_here
                                        skip_unless_fixture_here, fixture_meta, kernel_label, report)
 
 FIXTURES = sorted(DATA.glob("reference_logits_tiny_*.safetensors"))
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def read_fixture():

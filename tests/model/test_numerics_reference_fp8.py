@@ -32,7 +32,6 @@ from reference_logits_fixtures import (DATA, checkpoint_digest, fixture_for_here
 
 FIXTURES = sorted(DATA.glob("reference_logits_fp8_*.safetensors"))
 BF16_FIXTURES = sorted(DATA.glob("reference_logits_tiny_*.safetensors"))
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def read_fixture() -> tuple[dict[str, torch.Tensor], dict]:
@@ -57,15 +56,10 @@ def test_the_fp8_fixture_comes_from_the_bf16_fixtures_reference():
 @pytest.fixture(scope="module")
 def replayed(tmp_path_factory):
     """The regenerated quantized checkpoint loaded by ``load_model``, every case replayed with
-    the default options on one thread, as make_fixture.py runs the reference (this module-scoped
-    fixture runs before the function-scoped one_thread; with 2 threads the batch-2 prefills
-    round otherwise on an AVX512 CPU with AMX): {case: (our logits, the reference's)}."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return replay(tmp_path_factory)
-    finally:
-        torch.set_num_threads(threads)
+    the default options on one thread (tests/conftest.py), as make_fixture.py runs the reference
+    (with 2 threads the batch-2 prefills round otherwise on an AVX512 CPU with AMX): {case: (our
+    logits, the reference's)}."""
+    return replay(tmp_path_factory)
 
 
 def replay(tmp_path_factory):

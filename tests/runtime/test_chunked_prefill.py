@@ -14,7 +14,6 @@ from dsv4.memory_estimate import MAX_AUTO_CHUNK, auto_prefill_chunk, estimate, p
 from tiny_model import tiny_model
 
 TINY = ModelConfig.preset("tiny")
-pytestmark = pytest.mark.usefixtures("one_thread")
 MAX_LEN = 704
 # The engine's eager-vs-graph and prefix-hit tolerance (tests/runtime/test_prefix_cache_engine.py)
 # raised for the small preset's FP8 activations: one ulp of a chunk's row can move a

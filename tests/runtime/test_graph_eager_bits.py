@@ -19,7 +19,6 @@ from dsv4.model import DeepseekV4Model
 from dsv4.random_init import init_random_weights
 from reference_logits_fixtures import report
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 PROMPT_LENS = (252, 40, 124)     # decode crosses positions 255/256, -, 127/128
 STEPS = 6
 

@@ -21,7 +21,6 @@ from mem_pool.prefix.file_page_store import PAGE_SUFFIX
 from mem_pool.prefix.page_record import KV
 from mem_pool.prefix import PrefixCache
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 # A window of two pages, so that a one-page prefix is shorter than the window.
 CONFIG = dataclasses.replace(ModelConfig.preset("tiny"), window_size=256)
 PAGE, WINDOW, MAX_LEN, STEPS = 128, 256, 640, 4

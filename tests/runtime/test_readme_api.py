@@ -21,13 +21,15 @@ def readme_example() -> str:
 
 
 @pytest.fixture
-def restore_threads():
+def two_threads():
+    """Two threads while the example runs (the tests run on one), so that its own setting shows."""
     n = torch.get_num_threads()
+    torch.set_num_threads(2)
     yield
     torch.set_num_threads(n)
 
 
-def test_readme_python_example_runs_and_prints_two_requests(flag_env, restore_threads):
+def test_readme_python_example_runs_and_prints_two_requests(flag_env, two_threads):
     code = readme_example()
     assert len(code.splitlines()) <= 12
     names = {}

@@ -37,7 +37,7 @@ def finish(proc, rc=0):
 
 
 @pytest.fixture
-def generate(capsys, flag_env, one_thread):
+def generate(capsys, flag_env):
     """`python -m dsv4 generate --json`, a short run of the tiny preset (the fastest), in this
     process with no DSV4_* flag set; ARGS come last and may name another preset. Returns the
     printed lines before the JSON, the JSON report and stderr."""
@@ -87,7 +87,7 @@ def test_generate_reports_prefill_decode_and_pool_usage(generate, graph):
     assert f"weights: bf16 ({r['weights_reason']})" in text
 
 
-def test_readme_main_command_prints_the_engines_tokens(one_thread):
+def test_readme_main_command_prints_the_engines_tokens():
     """The README's main command (defaults: small preset in the published formats, seed 0, 4
     random prompts of 32 ids, 16 new tokens, graphs) prints the tokens the engine generates for
     the same inputs (the engine here runs eagerly: graphs and eager give the same bits, and
@@ -275,7 +275,7 @@ def test_a_checkpoints_default_weights_follow_what_it_stores(tmp_path):
 
 @pytest.mark.parametrize("asked, built", [([], "native"), (["--weights", "bf16"], "bf16")])
 def test_the_model_generate_builds_holds_the_format_the_report_names(
-        monkeypatch, capsys, flag_env, one_thread, asked, built):
+        monkeypatch, capsys, flag_env, asked, built):
     import dsv4
     from dsv4.cli import main
 

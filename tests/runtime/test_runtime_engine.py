@@ -10,7 +10,6 @@ from dsv4.engine import Engine
 from tiny_model import tiny_model
 
 TINY = ModelConfig.preset("tiny")
-pytestmark = pytest.mark.usefixtures("one_thread")
 MAX_LEN, PAGE = 256, 128
 
 

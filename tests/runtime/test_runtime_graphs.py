@@ -15,7 +15,6 @@ from tiny_model import tiny_model
 from hip_kernels.kv_layout import VALUE_BYTES
 
 TINY = ModelConfig.preset("tiny")
-pytestmark = pytest.mark.usefixtures("one_thread")
 MAX_LEN, STEPS, SENTINEL = 192, 5, 0xA5
 # A captured step attends over a static number of compressed rows (model.static_max_rows) and a
 # padded graph runs its GEMMs on more rows than the live batch; both change fp32 summation order,

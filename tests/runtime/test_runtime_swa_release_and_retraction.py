@@ -11,7 +11,6 @@ from dsv4.engine import Engine
 from tiny_model import tiny_model
 
 TINY = ModelConfig.preset("tiny")
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 MAX_LEN, PAGE = 512, 128
 W = TINY.window_size
@@ -79,15 +78,8 @@ def aligned_reference(model):
         a = engine.allocator
         in_use.append(a.size_swa - a.swa_available_size())
 
-    # Set up before the function-scoped one_thread fixture runs: take one thread here too (the
-    # tiny model's ops run slower on two).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        engine, out = run_engine(model, **ALIGNED, first_ends_after=ALIGNED_RETRACTED_AT - 1,
-                                 record=record)
-    finally:
-        torch.set_num_threads(threads)
+    engine, out = run_engine(model, **ALIGNED, first_ends_after=ALIGNED_RETRACTED_AT - 1,
+                             record=record)
     return engine, out, in_use
 
 

@@ -50,7 +50,6 @@ def native_checkpoint(tmp_path_factory) -> Path:
 def one_rank(checkpoint, native_checkpoint) -> dict:
     from dsv4.checkpoint import load_model
 
-    torch.set_num_threads(1)
     tiny = {world: tp_worker.random_model(tp_worker.tiny_config(world), SINGLE)
             for world in (2, 4)}
     return {"tiny": {w: tp_worker.run(m) for w, m in tiny.items()},
