@@ -51,7 +51,8 @@ class CompressPlan:
     row_loc: torch.Tensor      # [N, C] compressed locations each query may see (0 where invalid)
     row_valid: torch.Tensor    # [N, C] bool: c < (pos + 1) // ratio
     row_width: torch.Tensor    # [N] the reference's candidate count: seq_len // ratio of the
-    #                            query's request (C may be wider: the rest is padding)
+    #                            query's request, prompt_len // ratio in a chunk of a prompt
+    #                            (C may be wider: the rest is padding)
 
 
 @dataclass
@@ -96,6 +97,9 @@ def build_attention_metadata(batch: ForwardBatch, req_to_token: torch.Tensor,
                              window, list(ratios), list(ratios.values()), tokens, n_rows)
     plans = {ratio: CompressPlan(ratio, ring, *out[2 + PLAN_TENSORS * i:][:PLAN_TENSORS])
              for i, (ratio, ring) in enumerate(ratios.items())}
+    if batch.prompt_lens is not None and not decode:   # a chunk: the whole prompt's candidates
+        for ratio, plan in plans.items():
+            plan.row_width = (batch.prompt_lens.long() // ratio)[rows_of_token]
     width = (None if decode else
              prefill_window_width(batch, window)[batch.token_request_rows()])
     return AttentionMetadata(batch.positions.long(), out[0], out[1], plans, swa_write_loc, width)

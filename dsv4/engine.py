@@ -360,7 +360,8 @@ class Engine:
             req_pool_indices=torch.tensor([r.slot for r in reqs], device=dev),
             seq_lens=torch.tensor(ends, device=dev),
             extend_seq_lens=torch.tensor([e - k for k, e in zip(starts, ends)], device=dev),
-            max_seq_len=max(ends), host_positions=positions)
+            max_seq_len=max(len(r.prompt) for r in reqs), host_positions=positions,
+            prompt_lens=torch.tensor([len(r.prompt) for r in reqs], device=dev))
         cache = self.prefix_cache
         capture = (boundary_capture(reqs, starts, ends, self.slots.page_size, dev)
                    if cache else None)

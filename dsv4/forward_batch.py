@@ -28,8 +28,14 @@ class ForwardBatch:
     req_pool_indices: torch.Tensor  # [B] request slots
     seq_lens: torch.Tensor          # [B] request lengths including the new tokens
     extend_seq_lens: torch.Tensor | None = None  # [B] new tokens per request (extend only)
-    max_seq_len: int | None = None  # the largest of seq_lens as a host int, when the caller
-    #                                 knows it: metadata sizes are then set without a host read
+    max_seq_len: int | None = None  # the largest length the step's metadata is sized for, as a
+    #                                 host int when the caller knows it (no host read then): the
+    #                                 largest of seq_lens, or of prompt_lens when given
+    # [B] extend only: the whole prompt each request's new tokens belong to, when the engine
+    # prefills it in chunks. The widths of the reference's one-step prefill follow it (the
+    # compressed rows per query, the indexer's candidate count), so a prompt's chunks compute
+    # as its one extend would. None: seq_lens.
+    prompt_lens: torch.Tensor | None = None
     # The positions as host ints, when the caller knows them (eager steps): the compressors then
     # pool only the tokens that close a window, chosen without a device read. Without them
     # (captured decode graphs) every decode token pools and only boundary rows are stored.
