@@ -13,10 +13,14 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from .cli_errors import UsageError
+
+if TYPE_CHECKING:
+    from .engine import EngineStats
 
 IDS_LINE = re.compile(r"^\s*\d+(\s*,\s*\d+)*\s*$")
 
@@ -83,18 +87,21 @@ def _percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
 
 
-def build_report(engine, wall_s: float, tokens: list[list[int]],
+def build_report(s: EngineStats, device: str, graph_backend: str | None,
+                 pool_tokens: tuple[int, int], wall_s: float, tokens: list[list[int]],
                  errors: list[str | None]) -> dict:
-    s, a = engine.stats, engine.allocator
+    """The run's report from an engine's counters ``s``, the device, the graph backend (None:
+    no graphs) and the pool's (full, SWA) token capacity."""
+    full_tokens, swa_tokens = pool_tokens
     steps = sorted(t * 1e3 for t in s.decode_step_s)
     eager = s.eager_steps
     decode_s = sum(s.decode_step_s)
     return {
-        "device": str(engine.device),
+        "device": str(device),
         "tokens": tokens,
         "errors": errors,
         "graph": s.graph_steps > 0,
-        "graph_backend": engine.graph_runner.backend.name if engine.graph_runner else None,
+        "graph_backend": graph_backend,
         "ttft_ms": round(s.first_token_s * 1e3, 3),
         "decode_steps": len(steps),
         "decode_tokens_per_s": round(s.decode_tokens / decode_s, 3) if steps else None,
@@ -104,15 +111,14 @@ def build_report(engine, wall_s: float, tokens: list[list[int]],
         # Replayed graphs gather inside the graph: the pool's counters only see eager steps.
         "swa_translations_per_step": round(s.eager_swa_translations / eager, 3) if eager else None,
         "swa_cache_hits_per_step": round(s.eager_swa_hits / eager, 3) if eager else None,
-        "pool_usage": {"full_tokens_peak": s.peak_full_tokens, "full_tokens": a.size_full,
-                       "swa_tokens_peak": s.peak_swa_tokens, "swa_tokens": a.size_swa,
-                       "peak_fraction": round(s.peak_full_tokens / a.size_full, 4)},
+        "pool_usage": {"full_tokens_peak": s.peak_full_tokens, "full_tokens": full_tokens,
+                       "swa_tokens_peak": s.peak_swa_tokens, "swa_tokens": swa_tokens,
+                       "peak_fraction": round(s.peak_full_tokens / full_tokens, 4)},
         "retractions": s.retractions,
     }
 
 
-def pass_report(i: int, engine, tokens: list[list[int]]) -> dict:
-    s = engine.stats
+def pass_report(i: int, s: EngineStats, tokens: list[list[int]]) -> dict:
     return {"pass": i, "prefix_hit_rate": round(s.prefix_hit_rate, 4),
             "prefix_hit_tokens": s.prefix_hit_tokens, "prompt_tokens": s.prompt_tokens,
             "prefill_ms": round(sum(s.prefill_s) * 1e3, 3), "tokens": tokens}
@@ -368,8 +374,11 @@ def run(args) -> int:
             out = engine.generate(prompts, args.max_new_tokens, on_step=b.update,
                                   sampling=sampling)
             wall = time.perf_counter() - start
-        passes.append(pass_report(i, engine, out.tokens))
-    report = build_report(engine, wall, out.tokens, out.errors)
+        passes.append(pass_report(i, engine.stats, out.tokens))
+    runner = engine.graph_runner
+    report = build_report(engine.stats, engine.device, runner.backend.name if runner else None,
+                          (engine.allocator.size_full, engine.allocator.size_swa), wall,
+                          out.tokens, out.errors)
     report["weights"], report["weights_reason"] = weights, why
     report["prefix_cache"] = engine.prefix_cache is not None
     report["passes"] = passes

@@ -73,18 +73,13 @@ def test_an_eager_run_says_why_it_is_eager(capsys):
 
 def test_the_reports_numbers_come_from_the_engines_counters():
     """Rates are tokens over seconds, latencies the steps' percentiles in ms, 3 decimals kept."""
-    from types import SimpleNamespace
-
     from dsv4.cli_generate import build_report
     from dsv4.engine import EngineStats
 
     stats = EngineStats(decode_step_s=[0.012, 0.010, 0.0305], decode_tokens=7,
                         first_token_s=0.0123456, graph_steps=1, eager_swa_translations=3,
                         eager_swa_hits=1, retractions=2, peak_full_tokens=30, peak_swa_tokens=9)
-    engine = SimpleNamespace(stats=stats, device="cpu",
-                             allocator=SimpleNamespace(size_full=70, size_swa=16),
-                             graph_runner=SimpleNamespace(backend=SimpleNamespace(name="emu")))
-    r = build_report(engine, 0.3, [[1, 2, 3], [4]], [None, "retracted"])
+    r = build_report(stats, "cpu", "emu", (70, 16), 0.3, [[1, 2, 3], [4]], [None, "retracted"])
     assert r == {
         "device": "cpu", "tokens": [[1, 2, 3], [4]], "errors": [None, "retracted"],
         "graph": True, "graph_backend": "emu", "ttft_ms": 12.346, "decode_steps": 3,
