@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -55,12 +54,12 @@ from .kv_slots import KVSlots
 from .memory_estimate import auto_prefill_chunk, available_bytes
 from .options import Options
 from .paged_attention import RingRowCapture
-from .prefix_reuse import (RING, boundary_capture, insert_prompt_pages, load_prefix,
-                           match_prompt, prefix_cache_from_options)
+from .prefix_reuse import (RING, boundary_capture, insert_prompt_pages,
+                           prefix_cache_from_options)
 from .request import Request
 from .request_checks import check_call, request_error
-from .retraction import retract, try_resume
 from .sampling import GREEDY, SamplingParams, sample
+from .scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -219,10 +218,11 @@ class Engine:
         self._sampling = sampling
         self._generator = None if sampling.greedy else torch.Generator().manual_seed(sampling.seed)
         self._started = time.perf_counter()
-        q = _Queues(deque(r for r in reqs if r.error is None))
+        q = Scheduler(self.slots, self.prefix_cache, self.max_batch, self.stats,
+                      [r for r in reqs if r.error is None])
         try:
-            while q.waiting or q.retracted or q.running or q.prefilling:
-                self._resume(q)
+            while q.busy:
+                q.resume()
                 if q.running:
                     self._decode_step(q, return_logits)
                     if on_step is not None:
@@ -234,117 +234,23 @@ class Engine:
         logits = _stack_logits([r.logits for r in reqs]) if return_logits else None
         return GenerateOutput([r.out for r in reqs], logits, [r.error for r in reqs])
 
-    # ---- admission --------------------------------------------------------------------------
-
-    def _resume(self, q: _Queues) -> None:
-        """Resume retracted requests first (oldest first, keeping a page of headroom per running
-        request so they do not bounce straight back, and the pages the prefilling prompts
-        still have to take)."""
-        slots = self.slots
-        while q.retracted and len(q.running) + len(q.prefilling) < self.max_batch and (
-                not (q.running or q.prefilling) or slots.pages(q.retracted[0].seq_len)
-                + len(q.running) + self._reserved(q) <= slots.free_pages()) and try_resume(
-                    slots, q.retracted[0]):
-            q.running.append(q.retracted.popleft())
-            self.stats.resumptions += 1
-
-    def _reserved(self, q: _Queues) -> int:
-        """Pages the prefilling prompts have still to take for their later chunks."""
-        slots = self.slots
-        return sum(slots.pages(len(r.prompt)) - slots.pages(len(r.locs)) for r in q.prefilling)
-
-    def _piece(self, start: int, prompt_len: int, budget: int) -> int:
-        """The tokens of a prompt's next chunk from `start` within `budget` (0: none fits). With
-        a prefix cache a chunk that does not end the prompt ends on a multiple of RING."""
-        end = min(prompt_len, start + budget)
-        if end < prompt_len and self.prefix_cache is not None:
-            end -= end % RING
-        return max(0, end - start)
-
-    def _admit(self, q: _Queues, budget: int) -> list[tuple[Request, int, torch.Tensor]]:
-        """Admit waiting prompts (oldest first) while request slots, pages (for the whole
-        prompt, beyond what the prefilling ones still take) and budget last: their first chunks
-        as (request, chunk start, device locations)."""
-        slots, cache, pieces = self.slots, self.prefix_cache, []
-        while q.waiting and len(q.running) + len(q.prefilling) < self.max_batch:
-            req = q.waiting[0]
-            if (slots.pages(len(req.prompt)) + self._reserved(q) > slots.free_pages()
-                    or budget < (RING if cache else 1)):
-                break
-            hit = match_prompt(cache, req) if cache else None
-            k = hit.tokens if hit else 0
-            n = self._piece(k, len(req.prompt), budget)
-            locs = slots.take([req], [k + n])
-            if locs is None:
-                break
-            q.waiting.popleft()
-            slots.clear_state([req])
-            req.seq_len = k
-            if k:
-                load_prefix(slots, req, hit)
-            self.stats.prompt_tokens += len(req.prompt)
-            self.stats.prefix_hit_tokens += k
-            q.prefilling.append(req)
-            pieces.append((req, k, locs[k:]))
-            budget -= n
-        return pieces
-
-    def _requeue(self, q: _Queues) -> None:
-        """Send the latest admitted prefilling prompt back to the front of the queue."""
-        req = q.prefilling.pop()
-        self.slots.release(req)
-        req.seq_len = 0
-        q.waiting.appendleft(req)
-        self.stats.requeued += 1
-
-    def _next_chunks(self, q: _Queues, budget: int) -> list[tuple[Request, int, torch.Tensor]]:
-        """The next chunks of the prefilling prompts (oldest first) within budget, their pages
-        taken; when the pool is short, the latest prefilling prompt is requeued, else the latest
-        running request retracted."""
-        pieces = []
-        i = 0
-        while i < len(q.prefilling) and budget:
-            req = q.prefilling[i]
-            n = self._piece(req.seq_len, len(req.prompt), budget)
-            if n == 0:
-                break
-            locs = self.slots.extend([req], [n])
-            if locs is not None:
-                pieces.append((req, req.seq_len, locs))
-                budget -= n
-                i += 1
-            elif len(q.prefilling) > i + 1:
-                self._requeue(q)
-            elif q.running:
-                self._retract(q)
-            else:   # admission checked its pages: only a smaller pool than it saw gets here
-                raise RuntimeError(f"KV pool exhausted: the next chunk of request {req.index} "
-                                   f"({n} tokens) does not fit")
-        return pieces
-
-    def _retract(self, q: _Queues) -> None:
-        victim = q.running.pop()
-        retract(self.slots, victim)
-        q.retracted.appendleft(victim)
-        self.stats.retractions += 1
-
     # ---- steps ------------------------------------------------------------------------------
 
-    def _prefill_step(self, q: _Queues, return_logits) -> None:
+    def _prefill_step(self, q: Scheduler, return_logits) -> None:
         """One extend forward over the next chunks of the prefilling prompts, then of newly
         admitted ones, within the step's budget: the chunk less the decodes of this step, at
         least min_prefill_share."""
         began = time.perf_counter()
         budget = max(self.prefill_chunk - len(q.running), self.min_prefill_share)
-        pieces = self._next_chunks(q, budget)
+        pieces = q.next_chunks(budget)
         budget -= sum(len(locs) for _, _, locs in pieces)
         if not q.retracted or not (q.running or q.prefilling):
-            pieces += self._admit(q, budget)
+            pieces += q.admit(budget)
         if not pieces:
             if not (q.running or q.prefilling) and (q.retracted or q.waiting):
-                self._resume(q)     # the last running request may have just finished
+                q.resume()     # the last running request may have just finished
                 if not q.running:
-                    self._fail_stuck(q)
+                    q.fail_stuck()
             return
         self._note_usage()
         reqs = [req for req, _, _ in pieces]
@@ -385,14 +291,7 @@ class Engine:
         if done and self.stats.first_token_s is None:
             self.stats.first_token_s = time.perf_counter() - self._started
 
-    def _fail_stuck(self, q: _Queues) -> None:
-        slots = self.slots
-        stuck = q.retracted.popleft() if q.retracted else q.waiting.popleft()
-        stuck.fail(f"KV pool exhausted: request {stuck.index} needs "
-                   f"{slots.pages(max(stuck.seq_len, len(stuck.prompt)))} pages of "
-                   f"{slots.page_size} tokens and the empty pool has {slots.free_pages()}")
-
-    def _decode_step(self, q: _Queues, return_logits) -> None:
+    def _decode_step(self, q: Scheduler, return_logits) -> None:
         start = time.perf_counter()
         locs = self._alloc_decode(q)
         if locs is None:  # the one running request could not grow: it failed on its own
@@ -410,7 +309,7 @@ class Engine:
         self._finish_step(list(running), running, logits, return_logits)
         self.stats.decode_step_s.append(time.perf_counter() - start)
 
-    def _alloc_decode(self, q: _Queues) -> torch.Tensor | None:
+    def _alloc_decode(self, q: Scheduler) -> torch.Tensor | None:
         """One more location per running request (``KVSlots.grow``); requeues the latest
         prefilling prompt, else retracts the latest admitted running request, until they fit
         (None: the last one alone did not fit and failed)."""
@@ -421,7 +320,7 @@ class Engine:
                 self._note_usage()
                 return locs
             if q.prefilling:
-                self._requeue(q)
+                q.requeue()
                 continue
             if len(running) == 1:
                 req = running.pop()
@@ -429,7 +328,7 @@ class Engine:
                 req.fail(f"KV pool exhausted: request {req.index} alone needs more than the "
                          f"pool's {self.allocator.size_full} tokens")
                 return None
-            self._retract(q)
+            q.retract()
 
     def _decode_forward(self, batch: ForwardBatch) -> torch.Tensor:
         if self.graph_runner is None:
@@ -463,16 +362,6 @@ class Engine:
         (full, swa), s = self.slots.tokens_in_use(), self.stats
         s.peak_full_tokens = max(s.peak_full_tokens, full)
         s.peak_swa_tokens = max(s.peak_swa_tokens, swa)
-
-
-@dataclass
-class _Queues:
-    """Where each request of a generate call is: waiting for admission, prefilling (holding a
-    slot and the pages of the chunks done), running (decoding) or retracted to the host."""
-    waiting: deque
-    prefilling: list = field(default_factory=list)
-    running: list = field(default_factory=list)
-    retracted: deque = field(default_factory=deque)
 
 
 def _stack_logits(per_request: list[list[torch.Tensor]]) -> torch.Tensor | None:
