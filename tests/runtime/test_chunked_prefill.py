@@ -11,7 +11,7 @@ from dsv4 import DeepseekV4Model, Options, init_random_weights
 from dsv4.config import ModelConfig
 from dsv4.engine import Engine
 from dsv4.memory_estimate import MAX_AUTO_CHUNK, auto_prefill_chunk, estimate, prefill_bytes
-from tiny_model import tiny_model
+from tiny_model import all_free, prompts, tiny_model
 
 TINY = ModelConfig.preset("tiny")
 MAX_LEN = 704
@@ -26,17 +26,6 @@ def tiny():
 def small():
     model = DeepseekV4Model(ModelConfig.preset("small"), max_seq_len=MAX_LEN, weights="native")
     return init_random_weights(model, seed=3)
-
-
-def prompts(lens, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, TINY.vocab_size, (n,), generator=g).tolist() for n in lens]
-
-
-def all_free(engine):
-    a = engine.allocator
-    return (a.full_available_size() == a.size_full and a.swa_available_size() == a.size_swa
-            and engine.req_to_token_pool.available() == engine.max_batch)
 
 
 def run(model, reqs, chunk, new=4, **kw):

@@ -7,7 +7,7 @@ import torch
 
 from dsv4.config import ModelConfig
 from dsv4.engine import Engine
-from tiny_model import tiny_model
+from tiny_model import all_free, prompts, tiny_model
 
 TINY = ModelConfig.preset("tiny")
 MAX_LEN, PAGE = 256, 128
@@ -16,17 +16,6 @@ MAX_LEN, PAGE = 256, 128
 @pytest.fixture(scope="module")
 def model():
     return tiny_model(max_seq_len=MAX_LEN, seed=1)
-
-
-def prompts(lens, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, TINY.vocab_size, (n,), generator=g).tolist() for n in lens]
-
-
-def all_free(engine):
-    a = engine.allocator
-    return (a.full_available_size() == a.size_full and a.swa_available_size() == a.size_swa
-            and engine.req_to_token_pool.available() == engine.max_batch)
 
 
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
