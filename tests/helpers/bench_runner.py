@@ -1,8 +1,11 @@
 """Running a benchmark script as a user would (a subprocess) and checking the record every
-script writes (scripts/bench_common.py's keys)."""
+script writes (scripts/bench_common.py's keys); a script's --help in this process."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import io
 import json
 import os
 import subprocess
@@ -23,6 +26,23 @@ def run_script(name: str, *args: str, timeout: int = 300, **env: str
     """scripts/<name> with args, in a fresh process (env: extra environment variables)."""
     return subprocess.run([sys.executable, str(SCRIPTS / name), *args], capture_output=True,
                           text=True, timeout=timeout, env={**os.environ, **env})
+
+
+def script_help(name: str) -> str:
+    """The text `scripts/<name> --help` prints, through the script's main in this process
+    (argparse prints it and exits with status 0). A process of its own would spend 2 s of CPU
+    importing torch again for it; each benchmark's --quick test starts its script as a user
+    does."""
+    main = importlib.import_module(name.removesuffix(".py")).main
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            main(["--help"])
+        except SystemExit as e:
+            assert e.code == 0, (name, e.code)
+        else:
+            raise AssertionError(f"{name} --help did not exit")
+    return out.getvalue()
 
 
 def check_record(record: dict, benchmark: str) -> None:

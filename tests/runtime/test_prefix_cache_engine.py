@@ -71,6 +71,31 @@ def without_cache(model):
     return run
 
 
+@pytest.fixture(scope="module")
+def pages_of(model):
+    """The pages an earlier prompt's prefill leaves in a cache, {key: record}, memoized: tests
+    that start from the same earlier prompt share its prefill (``cache_holding`` starts a fresh
+    cache from a copy)."""
+    memo = {}
+
+    def run(prompt):
+        if tuple(prompt) not in memo:
+            cache = PrefixCache(PAGE, WINDOW, host_capacity_pages=16)
+            engine(model, cache).generate([prompt], 1)
+            memo[tuple(prompt)] = {key: cache.host.get(key) for key in cache.host.keys()}
+        return memo[tuple(prompt)]
+    return run
+
+
+def cache_holding(pages: dict, **kwargs) -> PrefixCache:
+    """A fresh cache given a copy of `pages` as the engine gives them (insert; with a file_dir,
+    written to the file tier too)."""
+    cache = PrefixCache(PAGE, WINDOW, host_capacity_pages=16, **kwargs)
+    for key, record in pages.items():
+        cache.insert(key, {name: t.clone() for name, t in record.items()})
+    return cache
+
+
 SHAPES = {  # name: (earlier prompt, later prompt, tokens the later one takes from the cache)
     "shorter-than-window": (BASE[:200], BASE[:150] + ids(40, 1), 128),
     "at-page-boundary": (BASE[:300], BASE[:256] + ids(30, 2), 256),
@@ -86,12 +111,10 @@ CASES = [*((shape, False) for shape in SHAPES), ("longer-than-window-plus-page",
 
 @pytest.mark.parametrize("shape,graph", CASES,
                          ids=[f"{s}-{'graph' if g else 'eager'}" for s, g in CASES])
-def test_a_cached_prefix_gives_the_logits_of_a_full_prefill(model, without_cache, shape, graph):
+def test_a_cached_prefix_gives_the_logits_of_a_full_prefill(model, without_cache, pages_of,
+                                                             shape, graph):
     earlier, later, hit = SHAPES[shape]
-    cache = PrefixCache(PAGE, WINDOW, host_capacity_pages=16)
-    e = engine(model, cache, graph)
-    e.generate([earlier], 1)
-    e.stats.prompt_tokens = e.stats.prefix_hit_tokens = 0
+    e = engine(model, cache_holding(pages_of(earlier)), graph)
     got = e.generate([later], STEPS, return_logits=True)
     want = without_cache(later)
     assert e.stats.prefix_hit_tokens == hit and e.stats.prompt_tokens == len(later)
@@ -150,12 +173,12 @@ def strip_swa(cache: PrefixCache, key: str):
                             else record[name][:0])
 
 
-def test_a_page_without_its_swa_rows_moves_the_commit_point_back(model, without_cache):
+def test_a_page_without_its_swa_rows_moves_the_commit_point_back(model, without_cache,
+                                                                  pages_of):
     """Page 3's SWA rows are gone: committing 512 would need them (window [256, 512)), so the
     request commits 384 (window pages 1, 2) and releases what it fetched beyond."""
-    cache = PrefixCache(PAGE, WINDOW, host_capacity_pages=16)
+    cache = cache_holding(pages_of(BASE[:540]))
     e = engine(model, cache)
-    e.generate([BASE[:540]], 1)
     strip_swa(cache, cache.keys(BASE)[3])
     later = BASE[:520] + ids(20, 4)
     got = e.generate([later], STEPS, return_logits=True)
@@ -168,9 +191,8 @@ def test_a_page_without_its_swa_rows_moves_the_commit_point_back(model, without_
 
 
 def test_the_file_tier_survives_a_restart_and_a_corrupt_page_is_a_logged_miss(
-        model, without_cache, tmp_path, caplog):
-    first = PrefixCache(PAGE, WINDOW, host_capacity_pages=16, file_dir=tmp_path)
-    engine(model, first).generate([BASE[:540]], 1)
+        model, without_cache, pages_of, tmp_path, caplog):
+    first = cache_holding(pages_of(BASE[:540]), file_dir=tmp_path)
     assert len(list(tmp_path.glob("*" + PAGE_SUFFIX))) == 4
     later = BASE[:520] + ids(20, 4)
     want = without_cache(later)
