@@ -29,12 +29,13 @@ from hip_kernels import flags  # noqa: E402
 # the rank workers set it).
 torch.set_num_threads(1)
 
-# glibc's malloc hands every freed block above 128 KiB-32 MiB back to the kernel, and the next
-# allocation of that size faults its pages in again, zeroed: the engine's prefill and decode
-# allocate and free activations of that size in every op, which cost as much system time as the
-# compute's user time (a 540-token tiny prefill: 5.6 s system, 7.1 s user; 0.5 s system with
-# the thresholds below). Freed memory is kept for reuse instead, here (mallopt) and in every
-# process the tests start (the environment). It changes no result, only where memory comes from.
+# glibc's malloc gives large freed blocks back to the kernel (above a threshold that starts at
+# 128 KiB and rises to at most 32 MiB), and the next allocation faults their pages in again,
+# zeroed: the engine's prefill and decode allocate and free activations of that size in every
+# op, which cost as much system time as the compute's user time (a 540-token tiny prefill:
+# 5.6 s system, 7.1 s user; 0.5 s system with the thresholds below). Freed memory is kept for
+# reuse instead, here (mallopt) and in every process the tests start (the environment). It
+# changes no result, only where memory comes from.
 KEEP_FREED_BYTES = 1 << 30
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 if platform.libc_ver()[0] == "glibc":
