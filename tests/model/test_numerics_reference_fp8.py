@@ -59,10 +59,6 @@ def replayed(tmp_path_factory):
     the default options on one thread (tests/conftest.py), as make_fixture.py runs the reference
     (with 2 threads the batch-2 prefills round otherwise on an AVX512 CPU with AMX): {case: (our
     logits, the reference's)}."""
-    return replay(tmp_path_factory)
-
-
-def replay(tmp_path_factory):
     tensors, meta = read_fixture()
     cfg = ModelConfig.from_dict(json.loads(meta["config"]))
     path = save_random_checkpoint(cfg, tmp_path_factory.mktemp("ckpt"),
