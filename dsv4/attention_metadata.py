@@ -48,11 +48,32 @@ class CompressPlan:
     window_start: torch.Tensor  # [M] position of the window's first token (RoPE of the row)
     emit_loc: torch.Tensor     # [M] compressed location written, -1 = not a boundary
     state_write: torch.Tensor  # [N] state-ring row of each new token's (kv, score), -1 = skip
-    row_loc: torch.Tensor      # [N, C] compressed locations each query may see (0 where invalid)
-    row_valid: torch.Tensor    # [N, C] bool: c < (pos + 1) // ratio
+    row_loc: torch.Tensor      # [R, C] compressed location of each row c (0 where invalid)
+    row_valid: torch.Tensor    # [R, C] bool: row c exists
     row_width: torch.Tensor    # [N] the reference's candidate count: seq_len // ratio of the
     #                            query's request, prompt_len // ratio in a chunk of a prompt
     #                            (C may be wider: the rest is padding)
+    positions: torch.Tensor    # [N] int64, the queries' positions
+    # [N] the row of row_loc each query reads (its request, R = the batch's requests) in an
+    # extend; None in a decode step, whose R = N rows are the queries' own (c < (pos + 1) //
+    # ratio: each token sees what its position has closed). An extend's tables are thus sized
+    # by its requests times their context, never by its tokens times the context.
+    row_request: torch.Tensor | None = None
+
+    @property
+    def n_rows(self) -> int:
+        """C, the compressed rows per query the plan is sized for."""
+        return self.row_loc.shape[1]
+
+    def candidates(self, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """(locations [n, C], visible [n, C]) of the compressed rows the queries in ``rows``
+        may see: row c of the query's request where c < (pos + 1) // ratio. In an extend they
+        are made here for these queries only (the caller bounds n * C)."""
+        if self.row_request is None:
+            return self.row_loc[rows], self.row_valid[rows]
+        c = torch.arange(self.n_rows, device=self.row_loc.device)
+        visible = c[None] < ((self.positions[rows] + 1) // self.ratio)[:, None]
+        return self.row_loc[self.row_request[rows]], visible
 
 
 @dataclass
@@ -95,14 +116,16 @@ def build_attention_metadata(batch: ForwardBatch, req_to_token: torch.Tensor,
     out = ops.attention_plan(batch.positions, batch.req_pool_indices, batch.seq_lens,
                              rows_of_token, first_new, req_to_token, full_to_swa, swa_write_loc,
                              window, list(ratios), list(ratios.values()), tokens, n_rows)
-    plans = {ratio: CompressPlan(ratio, ring, *out[2 + PLAN_TENSORS * i:][:PLAN_TENSORS])
+    pos = batch.positions.long()
+    plans = {ratio: CompressPlan(ratio, ring, *out[2 + PLAN_TENSORS * i:][:PLAN_TENSORS],
+                                 positions=pos, row_request=rows_of_token)
              for i, (ratio, ring) in enumerate(ratios.items())}
     if batch.prompt_lens is not None and not decode:   # a chunk: the whole prompt's candidates
         for ratio, plan in plans.items():
             plan.row_width = (batch.prompt_lens.long() // ratio)[rows_of_token]
     width = (None if decode else
              prefill_window_width(batch, window)[batch.token_request_rows()])
-    return AttentionMetadata(batch.positions.long(), out[0], out[1], plans, swa_write_loc, width)
+    return AttentionMetadata(pos, out[0], out[1], plans, swa_write_loc, width)
 
 
 def _plan_tokens(batch: ForwardBatch, ratio: int) -> torch.Tensor | None:
@@ -158,7 +181,9 @@ def attention_plan_ref(positions, req_pool_indices, seq_lens, rows_of_token, fir
     out = [window_loc, window_valid]
     for ratio, ring, tok, rows in zip(ratios, rings, tokens, n_rows):
         tok = torch.arange(pos.shape[0], device=dev) if tok is None else tok
-        out += _compress_plan(ratio, ring, tok, pos, req, seq_len, first_new, full_loc, rows)
+        out += _compress_plan(ratio, ring, tok, pos, req, seq_len, first_new, full_loc, rows,
+                              None if rows_of_token is None else req_pool_indices.long(),
+                              seq_lens.long())
     return out
 
 
@@ -171,7 +196,10 @@ def prefill_window_width(batch: ForwardBatch, window: int) -> torch.Tensor:
     return torch.where(from_start, new.clamp(max=window), window)
 
 
-def _compress_plan(ratio, ring, tokens, pos, req, seq_len, first_new, full_loc, n_rows):
+def _compress_plan(ratio, ring, tokens, pos, req, seq_len, first_new, full_loc, n_rows,
+                   extend_req, extend_seq_len):
+    """extend_req / extend_seq_len [B]: an extend's requests and lengths (None in a decode
+    step): the row table then has one row per request, its rows c < seq_len // ratio valid."""
     dev = pos.device
     p = pos[tokens]
     width = ring             # a pool reads as many rows as the ring keeps (8 overlapping at 4)
@@ -186,10 +214,11 @@ def _compress_plan(ratio, ring, tokens, pos, req, seq_len, first_new, full_loc, 
     keep = pos >= seq_len - ring
     state_write = torch.where(keep, state_ring_rows(req, pos, ring), -1)
 
-    visible = (pos + 1) // ratio
+    owner, visible = ((req, (pos + 1) // ratio) if extend_req is None else
+                      (extend_req, extend_seq_len // ratio))
     c = torch.arange(n_rows, device=dev)
     row_valid = c[None] < visible[:, None]
-    row_loc = torch.where(row_valid, full_loc(req[:, None], c[None] * ratio) // ratio, 0)
+    row_loc = torch.where(row_valid, full_loc(owner[:, None], c[None] * ratio) // ratio, 0)
     return [tokens, src_state, src_new, p // ratio > 0, window_start, emit_loc, state_write,
             row_loc, row_valid, seq_len // ratio]
 
@@ -198,6 +227,7 @@ def _attention_plan_fake(positions, req_pool_indices, seq_lens, rows_of_token, f
                          req_to_token, full_to_swa, swa_write_loc, window, ratios, rings, tokens,
                          n_rows):
     n = positions.shape[0]
+    r = n if rows_of_token is None else req_pool_indices.shape[0]   # the row tables' rows
     out = [positions.new_empty(n, window, dtype=torch.int32),
            positions.new_empty(n, window, dtype=torch.bool)]
     for ring, tok, rows in zip(rings, tokens, n_rows):
@@ -206,8 +236,8 @@ def _attention_plan_fake(positions, req_pool_indices, seq_lens, rows_of_token, f
         out += [positions.new_empty(m, **i64), positions.new_empty(m, ring, **i64),
                 positions.new_empty(m, ring, **i64), positions.new_empty(m, dtype=torch.bool),
                 positions.new_empty(m, **i64), positions.new_empty(m, **i64),
-                positions.new_empty(n, **i64), positions.new_empty(n, rows, **i64),
-                positions.new_empty(n, rows, dtype=torch.bool), positions.new_empty(n, **i64)]
+                positions.new_empty(n, **i64), positions.new_empty(r, rows, **i64),
+                positions.new_empty(r, rows, dtype=torch.bool), positions.new_empty(n, **i64)]
     return out
 
 

@@ -33,6 +33,10 @@ from .platform import DIALECTS
 OP = "indexer_scores"
 Q_DTYPES = (torch.float32, torch.bfloat16)
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
+# Columns of keys the torch backend dequantizes at once. A multiple of 64: CPU GEMMs block their
+# columns by 64, so a score comes out with the same bits in a tile as in the whole row (fp32 and
+# bf16; tests/kernels/test_indexer_scores.py checks it).
+KEY_TILE_COLUMNS = 512
 
 
 def indexer_scores_ref(q: torch.Tensor, weights: torch.Tensor,
@@ -46,9 +50,15 @@ def indexer_scores_ref(q: torch.Tensor, weights: torch.Tensor,
 
 def indexer_scores_cache_ref(q, weights, cache, loc, valid, page_size, dialect):
     """The op's torch backend: the keys at loc dequantized (dialect: the fp8 dialect's name),
-    scored by `indexer_scores_ref`, -inf where not valid."""
-    keys = kv_layout.read_indexer_rows(cache, loc, page_size, DIALECTS[dialect])
-    return indexer_scores_ref(q, weights, keys).masked_fill(~valid, float("-inf"))
+    scored by `indexer_scores_ref`, -inf where not valid; ``KEY_TILE_COLUMNS`` columns at a
+    time, so the dequantized keys never outgrow one tile."""
+    tiles = []
+    for start in range(0, loc.shape[1], KEY_TILE_COLUMNS):
+        cols = slice(start, start + KEY_TILE_COLUMNS)
+        keys = kv_layout.read_indexer_rows(cache, loc[:, cols], page_size, DIALECTS[dialect])
+        tiles.append(indexer_scores_ref(q, weights, keys))
+    scores = torch.cat(tiles, 1) if tiles else weights.new_empty(loc.shape)
+    return scores.masked_fill(~valid, float("-inf"))
 
 
 def _fake(q, weights, cache, loc, valid, page_size, dialect):

@@ -20,7 +20,8 @@ pytest.importorskip("triton")
 
 from hip_kernels import KernelOptions, set_kv  # noqa: E402
 from hip_kernels import kv_layout as L  # noqa: E402
-from hip_kernels.indexer_scores import indexer_scores, indexer_scores_ref  # noqa: E402
+from hip_kernels.indexer_scores import (KEY_TILE_COLUMNS, indexer_scores,  # noqa: E402
+                                        indexer_scores_ref)
 from hip_kernels.backend import BackendUnavailable  # noqa: E402
 from hip_kernels import platform as P  # noqa: E402
 from hip_kernels.platform import default_device  # noqa: E402
@@ -286,3 +287,18 @@ def test_the_meta_implementation_gives_the_shape_and_dtype():
         torch.empty(3, 11, dtype=torch.int64, **meta), torch.empty(3, 11, dtype=torch.bool, **meta),
         PAGE, "ocp")
     assert out.shape == (3, 11) and out.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
+def test_the_torch_path_scores_a_long_row_tile_by_tile_with_the_bits_of_the_whole(w_dtype):
+    """A row wider than KEY_TILE_COLUMNS is scored a tile of keys at a time (the dequantized
+    keys of one tile alive at once): the scores are those of indexer_scores_ref over the whole
+    row's keys, bit for bit (a tile is a multiple of 64 columns, as CPU GEMMs block them)."""
+    g = gen(23)
+    c = 2 * KEY_TILE_COLUMNS + 37
+    cache = filled_cache(g)
+    q, w, loc, valid = queries(g, 5, 8, c, w_dtype=w_dtype)
+    got = indexer_scores(q, w, cache, loc, valid, PAGE, kernel=kernel_for("ocp", "torch"))
+    keys = L.read_indexer_rows(cache, loc, PAGE, P.DIALECTS["ocp"])
+    want = indexer_scores_ref(q, w, keys).masked_fill(~valid, float("-inf"))
+    assert torch.equal(got, want)
