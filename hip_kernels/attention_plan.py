@@ -18,15 +18,20 @@ Its outputs, from the step's positions, request slots and lengths, the request -
   (seq_len // r).
 
 The torch body (`attention_plan_ref`) is the CPU path and the oracle: about 115 aten ops, each a
-kernel on a GPU. No Triton or HIP version yet.
+kernel on a GPU. The Triton backend (`attention_plan_triton`) plans a decode step (one token per
+request: ``rows_of_token`` and ``first_new`` None) in one launch per ratio, the window folded
+into the first: its outputs are the reference's, byte for byte. An extend step (shaped on the
+host, never captured) runs the torch body whatever backend is asked: `attention_plan` resolves
+it so. No HIP version.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .backend import resolve
 from .checks import check_kernel, check_tensor
-from .library import define_op, ops
+from .library import define_op, op
 from .options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 
 OP = "attention_plan"
@@ -117,7 +122,8 @@ def _attention_plan_fake(positions, req_pool_indices, seq_lens, rows_of_token, f
 define_op(OP, "(Tensor positions, Tensor req_pool_indices, Tensor seq_lens, "
           "Tensor? rows_of_token, Tensor? first_new, Tensor req_to_token, Tensor full_to_swa, "
           "Tensor? swa_write_loc, int window, int[] ratios, int[] rings, Tensor?[] tokens, "
-          "int[] n_rows) -> Tensor[]", attention_plan_ref, _attention_plan_fake)
+          "int[] n_rows) -> Tensor[]", attention_plan_ref, _attention_plan_fake,
+          triton="attention_plan_triton.attention_plan_triton")
 
 
 def attention_plan(positions: torch.Tensor, req_pool_indices: torch.Tensor,
@@ -150,6 +156,7 @@ def attention_plan(positions: torch.Tensor, req_pool_indices: torch.Tensor,
     if not len(ratios) == len(rings) == len(tokens) == len(n_rows):
         raise ValueError(f"ratios, rings, tokens and n_rows must have one entry per ratio, got "
                          f"{len(ratios)}, {len(rings)}, {len(tokens)} and {len(n_rows)}")
-    return ops.attention_plan(positions, req_pool_indices, seq_lens, rows_of_token, first_new,
+    backend = resolve(OP, dev, kernel.backend, triton_ok=decode)
+    return op(OP, backend)(positions, req_pool_indices, seq_lens, rows_of_token, first_new,
                            req_to_token, full_to_swa, swa_write_loc, window, list(ratios),
                            list(rings), list(tokens), list(n_rows))
