@@ -22,7 +22,7 @@ forward's own argument, handed down to every layer beside it.
 
 Decode metadata is built with tensor ops only (no host synchronization, shapes fixed by
 ``max_context_len``), so it can be captured into a graph with the step. The tensors are one
-dispatcher op (``hip_kernels.attention_plan``, the paged-table arithmetic): on a GPU a decode
+dispatcher op (``hip_kernels.attention_plan``, the paged-table arithmetic): on Triton a decode
 step's metadata is one Triton launch per compress ratio, not a hundred torch kernels.
 """
 

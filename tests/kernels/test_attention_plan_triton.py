@@ -97,6 +97,11 @@ def test_any_window_width(window):
         assert_same_bytes(decode_args(7, window=window, swa=swa))
 
 
+def test_other_ratios_and_rings():
+    assert_same_bytes(decode_args(10, ratios=(2, 16, 128), rings=(4, 16, 128)))
+    assert_same_bytes(decode_args(10, ratios=(2, 16, 128), rings=(4, 16, 128), closing_only=True))
+
+
 def test_more_rows_than_one_program_takes():
     """A block of compressed rows per program: n_rows past BLOCK_C splits the table."""
     ctx = 4 * BLOCK_C + 256
