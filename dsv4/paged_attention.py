@@ -35,7 +35,7 @@ from .options import Options
 # row) pairs for the attention (each a dequantized 512-wide fp32 row: 2 KiB).
 EXTEND_PIECE = 256
 EXTEND_SCORE_PAIRS = 2 ** 20
-EXTEND_ROW_PAIRS = 2 ** 16
+EXTEND_ROW_PAIRS = 2 ** 14
 
 
 def extend_piece(window: int, candidates: int, attended: int) -> int:

@@ -5,7 +5,6 @@ process: the interpreter, libraries and freed-but-kept pages of malloc are not i
 
 from __future__ import annotations
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 
@@ -14,10 +13,17 @@ def peak_allocated_bytes(fn, *args, **kwargs) -> tuple[int, object]:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = fn(*args, **kwargs)
     events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]" and e.device_type() == torch.device("cpu").type
-                    or e.name() == "[memory]" and str(e.device_type()) == "DeviceType.CPU")
+                    if e.name() == "[memory]" and str(e.device_type()) == "DeviceType.CPU")
     live = peak = 0
     for _, nbytes in events:
         live += nbytes
         peak = max(peak, live)
     return peak, result
+
+
+def recorded_shapes(fn, *args, **kwargs) -> tuple[list[tuple[int, ...]], object]:
+    """(the shape of every tensor argument of every op fn(*args, **kwargs) ran, its result)."""
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        result = fn(*args, **kwargs)
+    shapes = [tuple(s) for e in prof.profiler.kineto_results.events() for s in e.shapes() if s]
+    return shapes, result
