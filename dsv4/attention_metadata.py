@@ -76,6 +76,16 @@ class CompressPlan:
         visible = c[None] < ((self.positions[rows] + 1) // self.ratio)[:, None]
         return self.row_loc[self.row_request[rows]], visible
 
+    def request_runs(self, rows: slice) -> list[tuple[slice, int]]:
+        """An extend's queries in ``rows`` by request: (their slice within rows, their row of
+        row_loc), in order (a host read: extend only)."""
+        requests, counts = torch.unique_consecutive(self.row_request[rows], return_counts=True)
+        runs, start = [], 0
+        for request, count in zip(requests.tolist(), counts.tolist()):
+            runs.append((slice(start, start + count), request))
+            start += count
+        return runs
+
 
 @dataclass
 class AttentionMetadata:

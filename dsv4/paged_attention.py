@@ -16,7 +16,7 @@ import torch
 
 from hip_kernels import DEFAULT_KERNEL_OPTIONS, KernelOptions, kv_layout, set_kv
 from hip_kernels.decode_attention import sparse_decode_attention
-from hip_kernels.indexer_scores import indexer_scores
+from hip_kernels.indexer_scores import indexer_scores, indexer_scores_shared
 from hip_kernels.indexer_topk import picked_rows
 from hip_kernels.platform import Fp8Dialect
 
@@ -118,11 +118,18 @@ def run_compressor(comp: Compressor, x: torch.Tensor, positions: torch.Tensor, p
 def select_rows(indexer: Indexer, qr, x, freqs, plan: CompressPlan, rows: slice, cache,
                 page_size: int, options: Options) -> tuple[torch.Tensor, torch.Tensor]:
     """(compressed locations [n, k], valid [n, k]) the indexer keeps for the queries in rows.
-    The scores are one op reading the FP8 key cache in place (a Triton kernel on a GPU)."""
+    The scores are one op reading the FP8 key cache in place (a Triton kernel on a GPU); in an
+    extend, one per request of the piece, its keys read once for all its queries."""
     q = indexer.project_q(qr, freqs, options.reference, options.kernel)
     w = indexer.head_weights(x, options.reference)
     loc, visible = plan.candidates(rows)
-    scores = indexer_scores(q, w, cache, loc, visible, page_size, kernel=options.kernel)
+    if plan.row_request is None:
+        scores = indexer_scores(q, w, cache, loc, visible, page_size, kernel=options.kernel)
+    else:   # an extend: the queries of a request share its candidates, each key read once
+        scores = torch.cat([
+            indexer_scores_shared(q[run], w[run], cache, plan.row_loc[request], visible[run],
+                                  page_size, kernel=options.kernel)
+            for run, request in plan.request_runs(rows)])
     pick = indexer.select(scores, visible, options, plan.row_width[rows])
     return picked_rows(loc, pick, kernel=options.kernel)
 

@@ -18,7 +18,7 @@ from .attention_plan import attention_plan
 from .decode_attention import sparse_decode_attention
 from .grouped_out_proj import grouped_out_proj
 from .indexer_query import indexer_query
-from .indexer_scores import indexer_scores
+from .indexer_scores import indexer_scores, indexer_scores_shared
 from .indexer_topk import indexer_topk, picked_rows
 from .kv_layout import (dequantize_kv_rows, indexer_page_bytes, page_bytes, quantize_kv_rows,
                         read_indexer_rows, read_kv_rows)
@@ -42,7 +42,7 @@ __all__ = [
     "read_indexer_rows",
     "fused_k_norm_rope_store", "fused_store_cache", "store_kv_pack", "indexer_store",
     "fused_translate_norm_rope_store", "hc_split", "hc_pre", "hc_post", "moe_route", "moe_routed",
-    "moe_shared", "sparse_decode_attention", "indexer_scores",
+    "moe_shared", "sparse_decode_attention", "indexer_scores", "indexer_scores_shared",
     "rms_norm", "indexer_query", "indexer_topk", "picked_rows", "grouped_out_proj",
     "attention_plan", "act_quant", "ocp_to_fnuz", "fp8_linear", "fp8_grouped_linear",
     "fp4_grouped_linear",
