@@ -105,7 +105,7 @@ def test_every_script_has_help():
     """The benchmarks' help in this process (their --quick tests start them as a user does);
     the two scripts no other test starts, and which import no torch, as a user does."""
     names = ("bench_swa_translation.py", "bench_decode.py", "bench_prefix_cache.py",
-             "bench_graph_replay.py")
+             "bench_graph_replay.py", "bench_long_context.py")
     for name in names:
         text = script_help(name)
         assert "usage" in text and "--quick" in text and "--out" in text, name
