@@ -354,7 +354,8 @@ def test_sweep_script_parses_and_its_dry_run_runs_nothing(tmp_path):
                            str(out_root)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     for script in ("bench_common.py", "bench_swa_translation.py --quick",
-                   "bench_decode.py --quick", "plot_results.py", "summarize_results.py"):
+                   "bench_decode.py --quick", "bench_long_context.py --quick",
+                   "plot_results.py", "summarize_results.py"):
         assert f"scripts/{script}" in proc.stdout, script
     assert not out_root.exists()
     bad = subprocess.run(["bash", str(sweep), "--bogus"], capture_output=True, text=True)
