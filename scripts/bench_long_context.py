@@ -32,9 +32,9 @@ Output JSON (beyond bench_common's record keys):
   "results": one row per prompt length: prompt_len, new_tokens, prefill_chunk (the engine's),
       prefill_steps, prefill_ms (sum of the prefill steps), prefill_ms_per_token,
       prefill_tokens_per_s, ttft_ms (generate's start to the first token), decode_steps,
-      decode_ms_p50, decode_ms_p90, decode_ms_max, graph_used, kv_pool_bytes (the engine's
-      pool), rss_before_bytes, peak_rss_bytes, device_before_bytes, peak_device_bytes (null on a
-      CPU), kv_read_bytes, kv_written_bytes, floor_bytes, floor_ms, decode_vs_floor (p50 over
+      decode_ms_p50, decode_ms_p90, decode_ms_max, decode_step_ms (each step's), graph_used,
+      kv_pool_bytes (the engine's pool), rss_before_bytes, peak_rss_bytes, device_before_bytes,
+      peak_device_bytes (null on a CPU), kv_read_bytes, kv_written_bytes, floor_bytes, floor_ms, decode_vs_floor (p50 over
       the floor; null without a floor), worker_s (the worker's wall time, model build included)
   "errors": [{"prompt_len", "error"}] for points whose worker failed or ran out of time
   "notes": caveats of this run
@@ -91,12 +91,15 @@ def peak_rss_bytes() -> int:
 
 
 def decode_ms(seconds: list[float]) -> dict:
-    """decode_ms_p50, _p90 (nearest rank) and _max of the decode steps' wall times."""
+    """decode_ms_p50, _p90 (nearest rank) and _max of the decode steps' wall times, and each
+    step's (decode_step_ms, in order)."""
     if not seconds:
-        return dict.fromkeys(("decode_ms_p50", "decode_ms_p90", "decode_ms_max"))
+        return {**dict.fromkeys(("decode_ms_p50", "decode_ms_p90", "decode_ms_max")),
+                "decode_step_ms": []}
     t = bc.Timing([v * 1e3 for v in seconds], "perf_counter")   # ms values: only percentiles
     return {"decode_ms_p50": round(t.p50, 3), "decode_ms_p90": round(t.p90, 3),
-            "decode_ms_max": round(max(t.samples_us), 3)}
+            "decode_ms_max": round(max(t.samples_us), 3),
+            "decode_step_ms": [round(v, 3) for v in t.samples_us]}
 
 
 def run_point(spec: dict) -> dict:

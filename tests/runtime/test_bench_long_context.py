@@ -16,7 +16,7 @@ import plot_results  # noqa: E402
 
 ROW_KEYS = {"prompt_len", "new_tokens", "prefill_chunk", "prefill_steps", "prefill_ms",
             "prefill_ms_per_token", "prefill_tokens_per_s", "ttft_ms", "decode_steps",
-            "decode_ms_p50", "decode_ms_p90", "decode_ms_max", "graph_used", "kv_pool_bytes",
+            "decode_ms_p50", "decode_ms_p90", "decode_ms_max", "decode_step_ms", "graph_used", "kv_pool_bytes",
             "rss_before_bytes", "peak_rss_bytes", "device_before_bytes", "peak_device_bytes",
             "kv_read_bytes", "kv_written_bytes", "floor_bytes", "floor_ms", "decode_vs_floor",
             "worker_s"}
@@ -45,6 +45,7 @@ def test_quick_run_writes_one_point_per_prompt_length(tmp_path):
         # one request shorter than the chunk: one extend step
         assert r["prefill_steps"] == 1 and r["prefill_chunk"] >= r["prompt_len"]
         assert 0 < r["decode_ms_p50"] <= r["decode_ms_p90"] <= r["decode_ms_max"]
+        assert len(r["decode_step_ms"]) == 2 and max(r["decode_step_ms"]) == r["decode_ms_max"]
         assert r["prefill_tokens_per_s"] > 0 and r["ttft_ms"] > 0
         assert 0 < r["rss_before_bytes"] <= r["peak_rss_bytes"]
         assert (r["peak_device_bytes"] is None) is (not gpu)
