@@ -34,8 +34,9 @@ Output JSON (beyond bench_common's record keys):
       prefill_tokens_per_s, ttft_ms (generate's start to the first token), decode_steps,
       decode_ms_p50, decode_ms_p90, decode_ms_max, decode_step_ms (each step's), graph_used,
       kv_pool_bytes (the engine's pool), rss_before_bytes, peak_rss_bytes, device_before_bytes,
-      peak_device_bytes (null on a CPU), kv_read_bytes, kv_written_bytes, floor_bytes, floor_ms, decode_vs_floor (p50 over
-      the floor; null without a floor), worker_s (the worker's wall time, model build included)
+      peak_device_bytes (null on a CPU), kv_read_bytes, kv_written_bytes, floor_bytes,
+      floor_ms, decode_vs_floor (p50 over the floor; null without a floor), worker_s (the
+      worker's wall time, model build included)
   "errors": [{"prompt_len", "error"}] for points whose worker failed or ran out of time
   "notes": caveats of this run
 

@@ -16,10 +16,10 @@ import plot_results  # noqa: E402
 
 ROW_KEYS = {"prompt_len", "new_tokens", "prefill_chunk", "prefill_steps", "prefill_ms",
             "prefill_ms_per_token", "prefill_tokens_per_s", "ttft_ms", "decode_steps",
-            "decode_ms_p50", "decode_ms_p90", "decode_ms_max", "decode_step_ms", "graph_used", "kv_pool_bytes",
-            "rss_before_bytes", "peak_rss_bytes", "device_before_bytes", "peak_device_bytes",
-            "kv_read_bytes", "kv_written_bytes", "floor_bytes", "floor_ms", "decode_vs_floor",
-            "worker_s"}
+            "decode_ms_p50", "decode_ms_p90", "decode_ms_max", "decode_step_ms", "graph_used",
+            "kv_pool_bytes", "rss_before_bytes", "peak_rss_bytes", "device_before_bytes",
+            "peak_device_bytes", "kv_read_bytes", "kv_written_bytes", "floor_bytes", "floor_ms",
+            "decode_vs_floor", "worker_s"}
 
 
 @pytest.mark.slow
