@@ -203,9 +203,10 @@ def _estimate(args, config, prompts: list[list[int]], context_len: int, device, 
     else:
         have, where = available_bytes(device), str(device)
     need = estimate(config, len(prompts), context_len, PAGE_SIZE, weights=weights, tp=args.tp)
-    chunk = chunk or auto_prefill_chunk(config, context_len, have, need.total_bytes, PAGE_SIZE)
+    chunk = chunk or auto_prefill_chunk(config, context_len, have, need.total_bytes, PAGE_SIZE,
+                                        len(prompts), args.tp)
     need = replace(need, prefill_bytes=prefill_bytes(
-        config, min(chunk, sum(map(len, prompts))), context_len))
+        config, min(chunk, sum(map(len, prompts))), context_len, len(prompts), args.tp))
     return need, have, where, chunk
 
 

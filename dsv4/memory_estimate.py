@@ -5,11 +5,25 @@ the format the model holds them: ``weights="native"``, the published formats (FP
 their 128x128 block scales, FP4 routed experts with their 1x32 scales, ``weights.formats``), or
 ``weights="bf16"``, every quantized weight dequantized to bf16; what the reference keeps in
 bf16/fp32 counts as such either way. The KV pool comes from `mem_pool.footprint` for `batch`
-requests of `context_len` tokens. A prompt is
-prefilled in chunks of at most ``prefill_chunk`` tokens (the engine's extend steps); one step's
-attention metadata holds, per compress ratio, an int64 location and a validity flag for each
-(chunk token, compressed row of the context) pair, counted too (`PREFILL_BYTES_PER_ROW`): the
-prefill share grows with the chunk times the context, not with the square of the prompt.
+requests of `context_len` tokens.
+
+A prompt is prefilled in chunks of at most ``prefill_chunk`` tokens (the engine's extend steps).
+What one such step allocates beside the weights and the pool (`prefill_bytes`) has three parts,
+each bounded by what the code holds at once:
+
+- per token of the chunk (`token_bytes`): the compressors' pooled windows (each window-closing
+  token gathers its ring's rows, kv and score in fp32, a few copies alive), the query in bf16,
+  the hidden copies and the routed experts' activations;
+- per request (`table_bytes`): the compressed-row tables, an int64 location and a flag per
+  compressed row of its context and the int64 temporaries they are built from, and its logits;
+- one piece of attention (`piece_bytes`): an extend attends its queries in pieces whose size
+  ``paged_attention.extend_piece`` caps by the candidates the indexer scores and the rows the
+  attention dequantizes, so a piece holds at most a fixed number of (query, row) pairs.
+
+Nothing in it is sized by the chunk times the context: the share grows with the chunk, and with
+the context only through one location per compressed row. The coefficients are counted from the
+code and checked against the allocations the CPU engine makes
+(tests/runtime/test_prefill_memory.py): the estimate is an upper bound within a small factor.
 
 ``auto_prefill_chunk`` sizes the chunk when the user does not: the largest power of two between
 one page and ``MAX_AUTO_CHUNK`` tokens whose prefill share fits in what the device has left after
@@ -28,16 +42,28 @@ from dataclasses import dataclass
 
 import torch
 
-from mem_pool.kv_cache_spec import KVCacheSpec, footprint
+from hip_kernels.indexer_scores import KEY_TILE_COLUMNS
+from mem_pool.kv_cache_spec import STATE_RING, KVCacheSpec, footprint
 
+from .paged_attention import extend_piece
 from .weights.formats import native_bytes
 
 GIB = 2 ** 30
-# Bytes per (prompt token, compressed row) pair of the prefill's metadata: the int64 location
-# and bool flag it keeps, and the int64 temporaries alive while they are built.
-PREFILL_BYTES_PER_ROW = 32
+# Bytes per (request, compressed row) of an extend's row tables: the int64 location and bool
+# flag kept, and the int64 temporaries alive while they are built.
+TABLE_BYTES_PER_ROW = 32
+# fp32 copies of a compressor's gathered windows alive at once (rows from the step and from the
+# ring, then the choice between them), and of a piece's dequantized attention rows (gathered,
+# ordered, padded, masked) and of its scores.
+POOLED_COPIES = 4
+ROW_COPIES = 5
+SCORE_COPIES = 5
+# Bytes per (query, indexer candidate) of a piece: location, visibility, score, top-k's keys.
+CANDIDATE_BYTES = 32
+KV_DIM = 512            # a KV row's width (head_dim): what attention dequantizes, fp32
+INDEX_DIM = 128         # an indexer key's width
 WEIGHT_FORMATS = ("native", "bf16")
-MAX_AUTO_CHUNK = 8192   # the largest chunk auto_prefill_chunk picks (tokens)
+MAX_AUTO_CHUNK = 4096   # the largest chunk auto_prefill_chunk picks (tokens)
 MARGIN_FRACTION = 0.05  # of the device's memory, kept free by auto_prefill_chunk
 
 
@@ -57,23 +83,70 @@ class MemoryEstimate:
                 "for the prefill step)")
 
 
-def prefill_bytes(config, chunk: int, context_len: int) -> int:
-    """Working memory of one extend step over `chunk` tokens of requests of up to context_len
-    tokens (see the module docstring)."""
-    ratios = {r for r in config.compress_ratios[:config.n_layers] if r}
-    rows = sum(context_len // r for r in ratios)
-    return chunk * rows * PREFILL_BYTES_PER_ROW
+def _ratios(config) -> set[int]:
+    return {r for r in config.compress_ratios[:config.n_layers] if r}
+
+
+def token_bytes(config, tp: int = 1) -> int:
+    """Bytes an extend step holds per token of its chunk, on one of ``tp`` ranks."""
+    c = config
+    pooled = 0
+    for ratio in _ratios(c):
+        coff = 2 if ratio == 4 else 1          # ratio 4 pools overlapping windows [A | B]
+        dims = [c.head_dim] + ([c.index_head_dim] if ratio == 4 else [])
+        for d in dims:                         # the attention's compressor, the indexer's
+            row = 2 * coff * d * 4             # (kv, score) fp32
+            pooled = max(pooled, row + POOLED_COPIES * STATE_RING[ratio] * row // ratio)
+    query = 2 * (c.n_heads // tp) * c.head_dim
+    hidden = 4 * c.hc_mult * c.dim
+    experts = 3 * 4 * (c.n_activated_experts + c.n_shared_experts) * c.moe_inter_dim
+    return pooled + query + hidden + experts
+
+
+def table_bytes(config, context_len: int) -> int:
+    """Bytes an extend step holds per request of up to ``context_len`` tokens."""
+    rows = sum(context_len // r for r in _ratios(config))
+    return rows * TABLE_BYTES_PER_ROW + 2 * 4 * config.vocab_size
+
+
+def piece_bytes(config, context_len: int, tp: int = 1) -> int:
+    """Bytes one piece of an extend's attention holds, the largest over the model's layers."""
+    c = config
+    w, heads = c.window_size, c.n_heads // tp
+    pair = KV_DIM * 4 * ROW_COPIES + heads * 4 * SCORE_COPIES       # per (query, row)
+    most = extend_piece(w, 0, 0) * w * pair                          # a window-only layer
+    for ratio in _ratios(c):
+        rows = context_len // ratio
+        if ratio != 4:                                               # every row attended
+            most = max(most, extend_piece(w, 0, rows) * (w + rows) * pair)
+            continue
+        kept = min(c.index_topk, rows)
+        n = extend_piece(w, rows, kept)
+        index_heads = c.index_n_heads // tp
+        tile = min(KEY_TILE_COLUMNS, rows)
+        keys = n * tile * (INDEX_DIM * (4 + 2) + index_heads * 4 * 2)
+        most = max(most, n * (w + kept) * pair + n * rows * CANDIDATE_BYTES + keys)
+    return most
+
+
+def prefill_bytes(config, chunk: int, context_len: int, batch: int = 1, tp: int = 1) -> int:
+    """Working memory of one extend step over ``chunk`` tokens of ``batch`` requests of up to
+    context_len tokens, on one of ``tp`` ranks (see the module docstring); 0 without tokens."""
+    if chunk <= 0:
+        return 0
+    return (chunk * token_bytes(config, tp) + min(batch, chunk) * table_bytes(config, context_len)
+            + piece_bytes(config, context_len, tp))
 
 
 def auto_prefill_chunk(config, context_len: int, device_bytes: int, weight_and_kv_bytes: int,
-                       page_size: int = 256) -> int:
+                       page_size: int = 256, batch: int = 1, tp: int = 1) -> int:
     """The prefill chunk (tokens) a device of device_bytes holding weight_and_kv_bytes of
     weights and KV pool can take: the largest power of two c, page_size <= c <=
     MAX_AUTO_CHUNK, with prefill_bytes(config, c, context_len) <= device_bytes * (1 -
     MARGIN_FRACTION) - weight_and_kv_bytes; page_size when none fits."""
     spare = device_bytes * (1 - MARGIN_FRACTION) - weight_and_kv_bytes
     chunk = MAX_AUTO_CHUNK
-    while chunk > page_size and prefill_bytes(config, chunk, context_len) > spare:
+    while chunk > page_size and prefill_bytes(config, chunk, context_len, batch, tp) > spare:
         chunk //= 2
     return max(chunk, page_size)
 
@@ -104,7 +177,7 @@ def estimate(config, batch: int, context_len: int, page_size: int = 256,
     tokens = batch * -(-context_len // page_size) * page_size
     kv = footprint(spec, page_size).total_bytes(tokens, tokens, batch + 1)
     return MemoryEstimate(weight_bytes(config, weights, context_len, tp), kv,
-                          prefill_bytes(config, prefill_tokens, context_len))
+                          prefill_bytes(config, prefill_tokens, context_len, batch, tp))
 
 
 def shortfall(need: MemoryEstimate, have_bytes: int, where: str) -> str | None:

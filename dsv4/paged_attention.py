@@ -16,7 +16,7 @@ import torch
 
 from hip_kernels import DEFAULT_KERNEL_OPTIONS, KernelOptions, kv_layout, set_kv
 from hip_kernels.decode_attention import sparse_decode_attention
-from hip_kernels.indexer_scores import indexer_scores
+from hip_kernels.indexer_scores import indexer_scores, indexer_scores_shared
 from hip_kernels.indexer_topk import picked_rows
 from hip_kernels.platform import Fp8Dialect
 
@@ -28,8 +28,32 @@ from .layers.compressor import Compressor
 from .layers.indexer import Indexer
 from .options import Options
 
-# Queries attended per chunk in a long extend (bounds the gathered rows' memory).
-EXTEND_CHUNK = 256
+# An extend attends its queries in pieces, so that what a piece holds stays bounded whatever the
+# context: at most EXTEND_PIECE queries; at most EXTEND_SCORE_PAIRS (query, candidate row) pairs
+# for the indexer (each pair's location, visibility and score: a candidate is any compressed
+# row of the context, up to a quarter of the prompt); at most EXTEND_ROW_PAIRS (query, attended
+# row) pairs for the attention (each a dequantized 512-wide fp32 row: 2 KiB).
+EXTEND_PIECE = 256
+EXTEND_SCORE_PAIRS = 2 ** 20
+EXTEND_ROW_PAIRS = 2 ** 14
+
+
+def extend_piece(window: int, candidates: int, attended: int) -> int:
+    """Queries per piece of an extend over a layer whose queries attend ``window`` window rows
+    and ``attended`` compressed rows, chosen among ``candidates`` by the indexer (0 for a
+    layer without one)."""
+    piece = min(EXTEND_PIECE, EXTEND_ROW_PAIRS // (window + attended))
+    if candidates:
+        piece = min(piece, EXTEND_SCORE_PAIRS // candidates)
+    return max(piece, 1)
+
+
+def layer_extend_piece(attn: Attention, window: int, plan: CompressPlan | None) -> int:
+    """``extend_piece`` of this layer's attention in a step whose compress plan is ``plan``."""
+    rows = 0 if plan is None else plan.n_rows
+    if attn.indexer is None:
+        return extend_piece(window, 0, rows)
+    return extend_piece(window, rows, min(attn.indexer.topk, rows))
 
 
 @dataclass
@@ -94,11 +118,18 @@ def run_compressor(comp: Compressor, x: torch.Tensor, positions: torch.Tensor, p
 def select_rows(indexer: Indexer, qr, x, freqs, plan: CompressPlan, rows: slice, cache,
                 page_size: int, options: Options) -> tuple[torch.Tensor, torch.Tensor]:
     """(compressed locations [n, k], valid [n, k]) the indexer keeps for the queries in rows.
-    The scores are one op reading the FP8 key cache in place (a Triton kernel on a GPU)."""
+    The scores are one op reading the FP8 key cache in place (a Triton kernel on a GPU); in an
+    extend, one per request of the piece, its keys read once for all its queries."""
     q = indexer.project_q(qr, freqs, options.reference, options.kernel)
     w = indexer.head_weights(x, options.reference)
-    loc, visible = plan.row_loc[rows], plan.row_valid[rows]
-    scores = indexer_scores(q, w, cache, loc, visible, page_size, kernel=options.kernel)
+    loc, visible = plan.candidates(rows)
+    if plan.row_request is None:
+        scores = indexer_scores(q, w, cache, loc, visible, page_size, kernel=options.kernel)
+    else:   # an extend: the queries of a request share its candidates, each key read once
+        scores = torch.cat([
+            indexer_scores_shared(q[run], w[run], cache, plan.row_loc[request], visible[run],
+                                  page_size, kernel=options.kernel)
+            for run, request in plan.request_runs(rows)])
     pick = indexer.select(scores, visible, options, plan.row_width[rows])
     return picked_rows(loc, pick, kernel=options.kernel)
 
@@ -117,21 +148,22 @@ def attend(attn: Attention, q: torch.Tensor, qr: torch.Tensor, x: torch.Tensor,
     """Attention output [N, dim] of queries q [N, H, 512] (normed, rotated); caches is the
     layer's ``LayerCaches``. Decode: one op reading the FP8 rows in place
     (``hip_kernels.sparse_decode_attention``, a Triton kernel on a GPU). Extend: each distinct
-    row is dequantized once for all the queries of a chunk, then the same math."""
+    row is dequantized once for all the queries of a piece (``extend_piece``), then the same
+    math."""
     n = q.shape[0]
-    chunk = n if decode or n <= EXTEND_CHUNK else EXTEND_CHUNK
+    plan = meta.plans[attn.ratio] if attn.ratio else None
+    piece = n if decode else min(n, layer_extend_piece(attn, meta.window_loc.shape[1], plan))
     outs = []
-    for start in range(0, n, chunk):
-        rows = slice(start, min(n, start + chunk))
+    for start in range(0, n, max(piece, 1)):
+        rows = slice(start, min(n, start + piece))
         window = (meta.window_loc[rows], meta.window_valid[rows])
         comp = None
-        if attn.ratio:
-            plan = meta.plans[attn.ratio]
+        if plan is not None:
             if attn.indexer is not None:
                 comp = select_rows(attn.indexer, qr[rows], x[rows], freqs[rows], plan, rows,
                                    caches.index, caches.index_page_size, options)
             else:
-                comp = plan.row_loc[rows], plan.row_valid[rows]
+                comp = plan.candidates(rows)
         if decode:
             o = sparse_decode_attention(
                 q[rows], caches.swa, *window, caches.swa_page_size,

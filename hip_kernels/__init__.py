@@ -2,7 +2,8 @@
 set-KV family (`set_kv`), mHC's split with its Sinkhorn normalisation (`mhc_split`), mHC pre
 (+ the block's norm) and post (`mhc_fused`), the MoE's routing, routed and shared experts
 (`moe_fused`), the sparse decode attention (`decode_attention`), the indexer's scores
-(`indexer_scores`) and the quantized linears of the FP8/FP4 checkpoints (`quant_linear`), each a
+(`indexer_scores`), a step's attention plan over the paged tables (`attention_plan`) and the
+quantized linears of the FP8/FP4 checkpoints (`quant_linear`), each a
 dispatcher op of the `dsv4` library (`library`). Every op takes its choices as values:
 `kernel` (a `KernelOptions`: backend, host checks, aiter) and its numerics.
 
@@ -13,10 +14,11 @@ functions that need them), so ``import hip_kernels`` works on a machine without 
 import logging
 
 from . import envs, platform
+from .attention_plan import attention_plan
 from .decode_attention import sparse_decode_attention
 from .grouped_out_proj import grouped_out_proj
 from .indexer_query import indexer_query
-from .indexer_scores import indexer_scores
+from .indexer_scores import indexer_scores, indexer_scores_shared
 from .indexer_topk import indexer_topk, picked_rows
 from .kv_layout import (dequantize_kv_rows, indexer_page_bytes, page_bytes, quantize_kv_rows,
                         read_indexer_rows, read_kv_rows)
@@ -40,7 +42,8 @@ __all__ = [
     "read_indexer_rows",
     "fused_k_norm_rope_store", "fused_store_cache", "store_kv_pack", "indexer_store",
     "fused_translate_norm_rope_store", "hc_split", "hc_pre", "hc_post", "moe_route", "moe_routed",
-    "moe_shared", "sparse_decode_attention", "indexer_scores",
+    "moe_shared", "sparse_decode_attention", "indexer_scores", "indexer_scores_shared",
     "rms_norm", "indexer_query", "indexer_topk", "picked_rows", "grouped_out_proj",
-    "act_quant", "ocp_to_fnuz", "fp8_linear", "fp8_grouped_linear", "fp4_grouped_linear",
+    "attention_plan", "act_quant", "ocp_to_fnuz", "fp8_linear", "fp8_grouped_linear",
+    "fp4_grouped_linear",
 ]

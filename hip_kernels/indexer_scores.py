@@ -31,8 +31,13 @@ from .options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 from .platform import DIALECTS
 
 OP = "indexer_scores"
+SHARED_OP = "indexer_scores_shared"
 Q_DTYPES = (torch.float32, torch.bfloat16)
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
+# Columns of keys the torch backend dequantizes at once. A multiple of 64: CPU GEMMs block their
+# columns by 64, so a score comes out with the same bits in a tile as in the whole row (fp32 and
+# bf16; tests/kernels/test_indexer_scores.py checks it).
+KEY_TILE_COLUMNS = 512
 
 
 def indexer_scores_ref(q: torch.Tensor, weights: torch.Tensor,
@@ -46,29 +51,59 @@ def indexer_scores_ref(q: torch.Tensor, weights: torch.Tensor,
 
 def indexer_scores_cache_ref(q, weights, cache, loc, valid, page_size, dialect):
     """The op's torch backend: the keys at loc dequantized (dialect: the fp8 dialect's name),
-    scored by `indexer_scores_ref`, -inf where not valid."""
-    keys = kv_layout.read_indexer_rows(cache, loc, page_size, DIALECTS[dialect])
-    return indexer_scores_ref(q, weights, keys).masked_fill(~valid, float("-inf"))
+    scored by `indexer_scores_ref`, -inf where not valid; ``KEY_TILE_COLUMNS`` columns at a
+    time, so the dequantized keys never outgrow one tile."""
+    tiles = []
+    for start in range(0, loc.shape[1], KEY_TILE_COLUMNS):
+        cols = slice(start, start + KEY_TILE_COLUMNS)
+        keys = kv_layout.read_indexer_rows(cache, loc[:, cols], page_size, DIALECTS[dialect])
+        tiles.append(indexer_scores_ref(q, weights, keys))
+    scores = torch.cat(tiles, 1) if tiles else weights.new_empty(loc.shape)
+    return scores.masked_fill(~valid, float("-inf"))
 
 
 def _fake(q, weights, cache, loc, valid, page_size, dialect):
     return weights.new_empty(loc.shape)
 
 
+def indexer_scores_shared_ref(q, weights, cache, loc, valid, page_size, dialect):
+    """The shared op's torch backend: each tile of keys at loc [C] dequantized once for all the
+    queries, scored as `indexer_scores_ref` scores them (the same bits: one q.k per entry, the
+    same reductions), -inf where not valid."""
+    dtype = weights.dtype
+    tiles = []
+    for start in range(0, loc.shape[0], KEY_TILE_COLUMNS):
+        keys = kv_layout.read_indexer_rows(cache, loc[start:start + KEY_TILE_COLUMNS],
+                                           page_size, DIALECTS[dialect])
+        s = torch.einsum("nhd,td->nht", q.to(dtype), keys.to(dtype)).relu()
+        tiles.append((s * weights.unsqueeze(-1)).sum(1))
+    scores = torch.cat(tiles, 1) if tiles else weights.new_empty(valid.shape)
+    return scores.masked_fill(~valid, float("-inf"))
+
+
+def _shared_fake(q, weights, cache, loc, valid, page_size, dialect):
+    return weights.new_empty(valid.shape)
+
+
 define_op(OP, "(Tensor q, Tensor weights, Tensor cache, Tensor loc, Tensor valid, "
           "int page_size, str dialect) -> Tensor", indexer_scores_cache_ref, _fake,
           triton="indexer_scores_triton.indexer_scores_triton")
+define_op(SHARED_OP, "(Tensor q, Tensor weights, Tensor cache, Tensor loc, Tensor valid, "
+          "int page_size, str dialect) -> Tensor", indexer_scores_shared_ref, _shared_fake,
+          triton="indexer_scores_triton.indexer_scores_shared_triton")
 
 
-def _check_args(q, weights, cache, loc, valid, page_size, kernel) -> None:
+def _check_args(q, weights, cache, loc, valid, page_size, kernel, shared=False) -> None:
     check_tensor("q", q, dtypes=Q_DTYPES, shape=(None, None, kv_layout.INDEX_DIM))
     n, heads = q.shape[:2]
     dev = q.device
     check_tensor("weights", weights, dtypes=WEIGHT_DTYPES, shape=(n, heads), device=dev)
     check_page_size(page_size)
     check_cache("cache", cache, kv_layout.indexer_page_bytes(page_size), page_size, dev)
-    check_tensor("loc", loc, dtypes=(torch.int64, torch.int32), shape=(n, None), device=dev)
-    check_tensor("valid", valid, dtype=torch.bool, shape=tuple(loc.shape), device=dev)
+    check_tensor("loc", loc, dtypes=(torch.int64, torch.int32),
+                 shape=(None,) if shared else (n, None), device=dev)
+    check_tensor("valid", valid, dtype=torch.bool,
+                 shape=(n, loc.shape[0]) if shared else tuple(loc.shape), device=dev)
     if loc.numel() and value_checks_enabled(kernel):
         capacity = cache.shape[0] * page_size
         lo, hi = torch.stack(torch.where(valid, loc, 0).aminmax()).tolist()
@@ -93,5 +128,20 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, 
     check_kernel(kernel)
     _check_args(q, weights, cache, loc, valid, page_size, kernel)
     return op(OP, resolve(OP, q.device, kernel.backend))(
+        q.contiguous(), weights.contiguous(), cache, loc.contiguous(), valid.contiguous(),
+        page_size, kernel.fp8_dialect.name)
+
+
+def indexer_scores_shared(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor,
+                          loc: torch.Tensor, valid: torch.Tensor, page_size: int, *,
+                          kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
+    """`indexer_scores` for queries that share one list of candidate rows, loc [C] (int64 or
+    int32): an extend's queries of one request, each seeing the rows its position has closed
+    (valid [N, C]). The scores are those `indexer_scores` gives with loc repeated for every
+    query, bit for bit; the torch path dequantizes each key once for all of them instead of
+    once per query. Same checks and backends as `indexer_scores`."""
+    check_kernel(kernel)
+    _check_args(q, weights, cache, loc, valid, page_size, kernel, shared=True)
+    return op(SHARED_OP, resolve(OP, q.device, kernel.backend))(
         q.contiguous(), weights.contiguous(), cache, loc.contiguous(), valid.contiguous(),
         page_size, kernel.fp8_dialect.name)

@@ -113,3 +113,12 @@ def indexer_scores_triton(q: torch.Tensor, weights: torch.Tensor, cache: torch.T
             PAGE_SIZE=page_size, FP8=fp8, BF16=bf16, HEAD_BLOCK=head_block(n_heads),
             BLOCK_C=BLOCK_C, D_CHUNK=D_CHUNK, DOT_BF16=bf16 and not interpreted, **LAUNCH_OPTIONS)
     return out
+
+
+def indexer_scores_shared_triton(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor,
+                                 loc: torch.Tensor, valid: torch.Tensor, page_size: int,
+                                 dialect: str) -> torch.Tensor:
+    """`indexer_scores_shared`'s triton backend: the same kernel, every query reading the one
+    list loc [C] (a stride-0 view, nothing copied)."""
+    return indexer_scores_triton(q, weights, cache, loc.unsqueeze(0).expand(q.shape[0], -1),
+                                 valid, page_size, dialect)

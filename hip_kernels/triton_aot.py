@@ -1,5 +1,5 @@
 """Ahead-of-time compile of the Triton kernels (set-KV family, mHC split, indexer scores, decode
-attention, quantized linears) for AMD targets, without a GPU.
+attention, quantized linears, the attention plan, ...) for AMD targets, without a GPU.
 
 `report()` gives, per kernel variant, the VGPR/SGPR counts, scratch bytes and the hardware fp8
 converts used (`v_cvt_pk_fp8_f32` on gfx942; none means software emulation or no fp8
@@ -90,6 +90,7 @@ def _variants(dialect):
         **_compressor_variants(),
         **_indexer_topk_variants(),
         **_attention_projection_variants(),
+        **_attention_plan_variants(),
     }
 
 
@@ -216,6 +217,32 @@ def _compressor_variants():
         "compressor ring write": (C.ring_write_kernel, ring, {"BLOCK": C.RING_BLOCK},
                                   C.LAUNCH_OPTIONS),
     }
+
+
+def _attention_plan_variants():
+    """A decode step's plan as the model makes it (window 128, the newest slot given; int64
+    positions and slots, int32 req_to_token, int64 full_to_swa): the ratio-4 launch with the
+    window folded in (every token a candidate, as captured) and the ratio-128 one (given
+    candidates, as an eager step)."""
+    from . import attention_plan_triton as P
+
+    sig = {"pos_ptr": "*i64", "req_ptr": "*i64", "seq_ptr": "*i64", "n_tokens": "i32",
+           "r2t_ptr": "*i32", "r2t_stride0": "i32", "r2t_stride1": "i32", "n_slots": "i32",
+           "ctx": "i32", "f2s_ptr": "*i64", "f2s_stride": "i32", "n_full": "i32",
+           "swa_write_ptr": "*i32", "win_loc_ptr": "*i32", "win_valid_ptr": "*i1",
+           "window": "i32", "cand_ptr": "*i64", "n_cand": "i32", "ratio": "i32", "ring": "i32",
+           "n_rows": "i32", "tokens_ptr": "*i64", "src_state_ptr": "*i64",
+           "src_new_ptr": "*i64", "has_prev_ptr": "*i1", "window_start_ptr": "*i64",
+           "emit_loc_ptr": "*i64", "state_write_ptr": "*i64", "row_loc_ptr": "*i64",
+           "row_valid_ptr": "*i1", "row_width_ptr": "*i64"}
+
+    def variant(window, candidates, ring):
+        return P.attention_plan_kernel, sig, {
+            "WINDOW": window, "SWA_WRITE": True, "PLAN": True, "CANDIDATES": candidates,
+            "BLOCK_W": 128, "BLOCK_RING": ring, "BLOCK_C": P.BLOCK_C}, P.LAUNCH_OPTIONS
+
+    return {"attention_plan (window + c4)": variant(True, False, 8),
+            "attention_plan (c128, given candidates)": variant(False, True, 128)}
 
 
 def _attention_projection_variants():

@@ -27,9 +27,10 @@ Record (`new_record`): every script's JSON starts with these keys:
 
 Environment (`environment`): "platform" (hip_kernels.platform.describe()), "python", "torch",
   "triton" (installed distribution version or None), "hip", "cuda", "gpu_name", "gpu_arch",
-  "gpu_count", "cpu_count", "torch_threads", "machine", "rocm_smi_productname" (`rocm-smi --showproductname`
-  output, None when absent), "hipconfig_version", "git_commit", "flags" (every DSV4_* flag:
-  name -> {"value", "source"}).
+  "gpu_count", "cpu_model" (`cpu_model`), "cpu_count", "torch_threads", "machine",
+  "rocm_smi_productname" (`rocm-smi --showproductname` output, None when absent),
+  "hipconfig_version", "git_commit", "flags" (every DSV4_* flag: name -> {"value", "source"}).
+  `machine_name`: the GPU's name, else the CPU's model, for a table's caption.
 """
 
 from __future__ import annotations
@@ -60,8 +61,8 @@ REPO = Path(__file__).resolve().parent.parent
 RECORD_KEYS = ("benchmark", "schema_version", "created", "argv", "quick", "device", "env",
                "config")
 ENV_KEYS = ("platform", "python", "torch", "triton", "hip", "cuda", "gpu_name", "gpu_arch",
-            "gpu_count", "cpu_count", "torch_threads", "machine", "rocm_smi_productname", "hipconfig_version",
-            "git_commit", "flags")
+            "gpu_count", "cpu_model", "cpu_count", "torch_threads", "machine",
+            "rocm_smi_productname", "hipconfig_version", "git_commit", "flags")
 
 # ---- device and timing ---------------------------------------------------------------------
 
@@ -271,6 +272,23 @@ def flag_values() -> dict[str, dict[str, str]]:
             for name, value, source, _ in flags_table.values_table()}
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo's "model name" on Linux, else what the platform
+    says; "unknown" when neither does)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return py_platform.processor() or "unknown"
+
+
+def machine_name() -> str:
+    """What ran the numbers: the GPU's name, else the CPU's model."""
+    return torch.cuda.get_device_name(0) if on_gpu() else cpu_model()
+
+
 def environment() -> dict:
     """Where the numbers come from (keys in the module docstring)."""
     from hip_kernels import platform
@@ -286,6 +304,7 @@ def environment() -> dict:
         "gpu_name": torch.cuda.get_device_name(0) if gpu else None,
         "gpu_arch": platform.gpu_arch(),
         "gpu_count": torch.cuda.device_count() if gpu else 0,
+        "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "machine": py_platform.machine(),

@@ -10,6 +10,7 @@
 #     bench_decode_kernels.json     scripts/bench_decode_kernels.py (attention, indexer scores)
 #     bench_decode.json             scripts/bench_decode.py (flash-shaped layers on a GPU)
 #     bench_decode_pro.json         scripts/bench_decode.py --preset pro (GPU only)
+#     bench_long_context.json       scripts/bench_long_context.py (one request, prompt lengths)
 #     bench_sglang_plugin.json      scripts/bench_sglang_plugin.py (when SGLang is installed)
 #     *.png                         scripts/plot_results.py (skipped without matplotlib)
 #     summary.md                    scripts/summarize_results.py (numbers beside the anchors)
@@ -20,7 +21,8 @@
 #   --out-root   parent directory of the timestamped results directory (default: results)
 #   --dry-run    print the commands, run nothing, create nothing
 # A failing benchmark does not stop the others; the exit status is 1 if any step failed.
-# Extra options for bench_decode: set BENCH_DECODE_ARGS / BENCH_DECODE_PRO_ARGS (e.g. "--layers 8").
+# Extra options for bench_decode: set BENCH_DECODE_ARGS / BENCH_DECODE_PRO_ARGS (e.g. "--layers 8");
+# for bench_long_context, BENCH_LONG_CONTEXT_ARGS (e.g. "--prompt-lens 1024,16384,131072,1048576").
 set -uo pipefail
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'; }
@@ -92,6 +94,10 @@ if [ "$gpu" = 1 ]; then
   step decode_pro "$py" scripts/bench_decode.py "${quick[@]}" --preset pro --layers 4 \
     --experts 96 ${BENCH_DECODE_PRO_ARGS:-} --out "$dir/bench_decode_pro.json"
 fi
+
+# shellcheck disable=SC2086
+step long_context "$py" scripts/bench_long_context.py "${quick[@]}" ${BENCH_LONG_CONTEXT_ARGS:-} \
+  --out "$dir/bench_long_context.json"
 
 # find_spec, not an import: importing SGLang takes tens of seconds, and a dry run prints only.
 if $py -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('sglang') is None)" \

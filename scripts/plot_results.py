@@ -8,6 +8,9 @@ Writes, for the files present:
                         context length; <decode file>_tokens_per_s.png likewise for tokens/s
   prefix_cache.png      prefill ms with and without the prefix cache, and the fraction saved,
                         vs the hit rate
+  long_context.png      prefill tokens/s and peak memory vs the prompt length, decode step p50
+                        (and its HBM floor, on a GPU) vs the context (bench_long_context.py's
+                        --plot writes the same figure for one record: plot_long_context_file)
 Without matplotlib it prints why and writes nothing (exit status 0): plots are optional.
 
 Run: python scripts/plot_results.py results/<timestamp>
@@ -118,16 +121,64 @@ def plot_prefix_cache(plt, rec: dict, out_dir: Path, written: list[Path]) -> Non
     _save(fig, out_dir / "prefix_cache.png", written)
 
 
-def plot_all(results_dir: Path) -> list[Path]:
-    """The PNGs written (none without matplotlib or results)."""
+def plot_long_context(plt, rec: dict, path: Path, written: list[Path]) -> None:
+    rows = sorted(rec["results"], key=lambda r: r["prompt_len"])
+    lens = [r["prompt_len"] for r in rows]
+    c = rec["config"]
+    fig, (prefill, memory, decode) = _panels(
+        plt, 3, f"{rec['machine']}: {rec['model']['note']}, one request, "
+                f"{'graphs' if c['graph'] else 'eager'}")
+    prefill.plot(lens, [r["prefill_tokens_per_s"] for r in rows], marker="o")
+    prefill.set(title="prefill", xlabel="prompt tokens", ylabel="prompt tokens/s")
+    for key, label in (("peak_rss_bytes", "peak RSS"), ("peak_device_bytes",
+                                                         "peak device allocated")):
+        if any(r[key] is not None for r in rows):
+            memory.plot(lens, [r[key] / 2 ** 30 for r in rows], marker="o", label=label)
+    memory.set(title="peak memory", xlabel="prompt tokens", ylabel="GiB")
+    memory.legend(fontsize=7)
+    decode.plot(lens, [r["decode_ms_p50"] for r in rows], marker="o", label="decode step p50")
+    if any(r["floor_ms"] for r in rows):
+        decode.plot(lens, [r["floor_ms"] for r in rows], linestyle="--", color="gray",
+                    label=f"HBM floor at {rec['hbm_bytes_per_s'] / 1e12:g} TB/s")
+    decode.set(title="decode", xlabel="context tokens", ylabel="ms per step")
+    decode.legend(fontsize=7)
+    for ax in (prefill, memory, decode):
+        _log_x(ax, lens)
+        ax.set_ylim(bottom=0)
+    _save(fig, path, written)
+
+
+def _pyplot():
+    """matplotlib.pyplot on the Agg backend, or None (and why, printed) without matplotlib."""
     try:
         import matplotlib
     except ImportError:
         print(MISSING)
-        return []
+        return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def plot_long_context_file(rec: dict, path: Path) -> list[Path]:
+    """bench_long_context's figure of one record, at path (none without matplotlib)."""
+    plt = _pyplot()
+    if plt is None:
+        return []
+    written: list[Path] = []
+    plot_long_context(plt, rec, Path(path), written)
+    plt.close("all")
+    for p in written:
+        print(f"wrote {p}")
+    return written
+
+
+def plot_all(results_dir: Path) -> list[Path]:
+    """The PNGs written (none without matplotlib or results)."""
+    plt = _pyplot()
+    if plt is None:
+        return []
     written: list[Path] = []
     swa = results_dir / "bench_swa_translation.json"
     if swa.exists():
@@ -138,6 +189,11 @@ def plot_all(results_dir: Path) -> list[Path]:
     prefix = results_dir / "bench_prefix_cache.json"
     if prefix.exists():
         plot_prefix_cache(plt, json.loads(prefix.read_text()), results_dir, written)
+    long_context = results_dir / "bench_long_context.json"
+    if long_context.exists():
+        rec = json.loads(long_context.read_text())
+        if rec["results"]:
+            plot_long_context(plt, rec, results_dir / "long_context.png", written)
     for path in sorted(results_dir.glob("bench_decode*.json")):
         rec = json.loads(path.read_text())
         if rec["results"]:

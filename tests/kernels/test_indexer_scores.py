@@ -20,7 +20,9 @@ pytest.importorskip("triton")
 
 from hip_kernels import KernelOptions, set_kv  # noqa: E402
 from hip_kernels import kv_layout as L  # noqa: E402
-from hip_kernels.indexer_scores import indexer_scores, indexer_scores_ref  # noqa: E402
+from hip_kernels.indexer_scores import (KEY_TILE_COLUMNS, indexer_scores,  # noqa: E402
+                                        indexer_scores_shared,
+                                        indexer_scores_ref)
 from hip_kernels.backend import BackendUnavailable  # noqa: E402
 from hip_kernels import platform as P  # noqa: E402
 from hip_kernels.platform import default_device  # noqa: E402
@@ -286,3 +288,60 @@ def test_the_meta_implementation_gives_the_shape_and_dtype():
         torch.empty(3, 11, dtype=torch.int64, **meta), torch.empty(3, 11, dtype=torch.bool, **meta),
         PAGE, "ocp")
     assert out.shape == (3, 11) and out.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
+def test_the_torch_path_scores_a_long_row_tile_by_tile_with_the_bits_of_the_whole(w_dtype):
+    """A row wider than KEY_TILE_COLUMNS is scored a tile of keys at a time (the dequantized
+    keys of one tile alive at once): the scores are those of indexer_scores_ref over the whole
+    row's keys, bit for bit (a tile is a multiple of 64 columns, as CPU GEMMs block them)."""
+    g = gen(23)
+    c = 2 * KEY_TILE_COLUMNS + 37
+    cache = filled_cache(g)
+    q, w, loc, valid = queries(g, 5, 8, c, w_dtype=w_dtype)
+    got = indexer_scores(q, w, cache, loc, valid, PAGE, kernel=kernel_for("ocp", "torch"))
+    keys = L.read_indexer_rows(cache, loc, PAGE, P.DIALECTS["ocp"])
+    want = indexer_scores_ref(q, w, keys).masked_fill(~valid, float("-inf"))
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
+def test_shared_candidates_score_as_each_query_reading_them(dialect, w_dtype):
+    """indexer_scores_shared (an extend's queries of one request: one candidate list, each
+    query its own visibility) gives indexer_scores' scores with that list repeated per query,
+    bit for bit on the torch path, over more than one key tile; and Triton (interpreted)
+    agrees with it as the per-query kernel does."""
+    if DEV.type == "cuda" and dialect == "fnuz" and torch.version.hip is None:
+        pytest.skip("fnuz fp8 is AMD's dialect: Triton has no such type on an NVIDIA GPU")
+    g = gen(31 + (w_dtype == torch.bfloat16) + 2 * DIALECTS.index(dialect))
+    cache = filled_cache(g, dialect=dialect)
+    c, n = KEY_TILE_COLUMNS + 21, 6
+    q, w, loc, valid = queries(g, n, 8, c, w_dtype=w_dtype)
+    row = loc[0]
+    valid = torch.arange(c)[None] < torch.randint(0, c + 1, (n, 1), generator=g)
+    torch_kernel = kernel_for(dialect, "torch")
+    want = indexer_scores(q, w, cache, row.expand(n, -1), valid, PAGE, kernel=torch_kernel)
+    got = indexer_scores_shared(q, w, cache, row, valid, PAGE, kernel=torch_kernel)
+    assert torch.equal(got, want)
+    args = [a.to(DEV) for a in (q, w, cache, row, valid)]
+    tri = indexer_scores_shared(*args, PAGE, kernel=kernel_for(dialect, "triton")).cpu()
+    assert bool(torch.isneginf(tri[~valid]).all())
+    if w_dtype == torch.float32:
+        torch.testing.assert_close(tri[valid], want[valid], rtol=1e-5, atol=1e-6)
+    else:
+        keys = L.read_indexer_rows(cache, row.expand(n, -1), PAGE, P.DIALECTS[dialect])
+        assert_bf16_close(tri, want, q, w, keys, valid)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(loc=torch.zeros(2, 5, dtype=torch.int64)), r"loc must have shape \[\*\]"),
+    (dict(valid=torch.ones(2, 4, dtype=torch.bool)), r"valid must have shape \[2, 5\]"),
+    (dict(valid=torch.ones(3, 5, dtype=torch.bool)), r"valid must have shape \[2, 5\]"),
+])
+def test_shared_bad_arguments_are_named(bad, match):
+    args = dict(q=torch.zeros(2, 8, 128), weights=torch.zeros(2, 8), cache=CACHE,
+                loc=torch.zeros(5, dtype=torch.int64), valid=torch.ones(2, 5, dtype=torch.bool),
+                page_size=PAGE) | bad
+    with pytest.raises(ValueError, match=match):
+        indexer_scores_shared(**args)

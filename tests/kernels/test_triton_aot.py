@@ -1,5 +1,5 @@
-"""Every Triton kernel (set-KV, mHC, the MoE, the attention half, the quantized linears)
-compiles ahead of time for MI300 (gfx942) and MI350 (gfx950).
+"""Every Triton kernel (set-KV, mHC, the MoE, the attention half, the quantized linears, the
+attention plan) compiles ahead of time for MI300 (gfx942) and MI350 (gfx950).
 
 Compiled in a subprocess with the interpreter off. Asserts no scratch memory and no spills on
 either target, the hardware fp32 -> fp8 convert on both (gfx942 fnuz: v_cvt_pk_fp8_f32, not
@@ -16,8 +16,8 @@ import pytest
 
 pytest.importorskip("triton")
 
-from hip_kernels import (compressor_update_triton, decode_attention_triton,  # noqa: E402
-                         grouped_out_proj_triton, indexer_query_triton,
+from hip_kernels import (attention_plan_triton, compressor_update_triton,  # noqa: E402
+                         decode_attention_triton, grouped_out_proj_triton, indexer_query_triton,
                          indexer_scores_triton, indexer_topk_triton, mhc_fused_triton, mhc_split_triton,
                          moe_fused_quant_triton, moe_fused_triton, quant_linear_triton,
                          set_kv_triton)
@@ -44,7 +44,7 @@ def test_every_kernel_compiles_for_both_targets(report):
                              decode_attention_triton, quant_linear_triton, mhc_fused_triton,
                              moe_fused_triton, moe_fused_quant_triton, compressor_update_triton,
                              indexer_query_triton, grouped_out_proj_triton,
-                             indexer_topk_triton)
+                             indexer_topk_triton, attention_plan_triton)
                for n in dir(mod) if n.endswith("_kernel")}
     for arch in ("gfx942", "gfx950"):
         assert {r["function"] for r in report if r["arch"] == arch} == kernels

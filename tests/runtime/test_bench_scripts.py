@@ -105,7 +105,7 @@ def test_every_script_has_help():
     """The benchmarks' help in this process (their --quick tests start them as a user does);
     the two scripts no other test starts, and which import no torch, as a user does."""
     names = ("bench_swa_translation.py", "bench_decode.py", "bench_prefix_cache.py",
-             "bench_graph_replay.py")
+             "bench_graph_replay.py", "bench_long_context.py")
     for name in names:
         text = script_help(name)
         assert "usage" in text and "--quick" in text and "--out" in text, name
@@ -354,7 +354,8 @@ def test_sweep_script_parses_and_its_dry_run_runs_nothing(tmp_path):
                            str(out_root)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     for script in ("bench_common.py", "bench_swa_translation.py --quick",
-                   "bench_decode.py --quick", "plot_results.py", "summarize_results.py"):
+                   "bench_decode.py --quick", "bench_long_context.py --quick",
+                   "plot_results.py", "summarize_results.py"):
         assert f"scripts/{script}" in proc.stdout, script
     assert not out_root.exists()
     bad = subprocess.run(["bash", str(sweep), "--bogus"], capture_output=True, text=True)

@@ -10,7 +10,8 @@ import torch
 from dsv4 import DeepseekV4Model, Options, init_random_weights
 from dsv4.config import ModelConfig
 from dsv4.engine import Engine
-from dsv4.memory_estimate import MAX_AUTO_CHUNK, auto_prefill_chunk, estimate, prefill_bytes
+from dsv4.memory_estimate import (MAX_AUTO_CHUNK, auto_prefill_chunk, estimate, piece_bytes,
+                                  prefill_bytes, table_bytes, token_bytes)
 from tiny_model import all_free, prompts, tiny_model
 
 TINY = ModelConfig.preset("tiny")
@@ -196,29 +197,32 @@ def test_cli_refuses_a_chunk_the_device_cannot_hold(capsys, flag_env, monkeypatc
 
 
 def test_estimate_counts_one_chunk_and_the_auto_rule():
-    """The prefill share is one chunk's (or all the prompt tokens', when fewer); auto picks the
-    largest power of two whose share fits beside the weights, the KV and the 5% margin."""
+    """The prefill share is one chunk's tokens, its requests' row tables and one attention
+    piece (or all the prompt tokens', when fewer); auto picks the largest power of two whose
+    share fits beside the weights, the KV and the 5% margin."""
     tiny, ctx = TINY, 65_536
-    rows = ctx // 4 + ctx // 128
-    assert prefill_bytes(tiny, 512, ctx) == 512 * rows * 32
-    assert estimate(tiny, 1, ctx, prefill_tokens=512).prefill_bytes == 512 * rows * 32
-    device, used = 4 * 2 ** 30, 2 ** 30
+    one = prefill_bytes(tiny, 512, ctx)
+    assert one == 512 * token_bytes(tiny) + table_bytes(tiny, ctx) + piece_bytes(tiny, ctx)
+    assert prefill_bytes(tiny, 1024, ctx) - one == 512 * token_bytes(tiny)   # linear in the chunk
+    assert prefill_bytes(tiny, 512, ctx, batch=3) - one == 2 * table_bytes(tiny, ctx)
+    assert estimate(tiny, 1, ctx, prefill_tokens=512).prefill_bytes == one
+    device, used = 2 ** 30, 2 ** 29
     chunk = auto_prefill_chunk(tiny, ctx, device, used)
     spare = device * 0.95 - used
-    assert chunk in (256, 512, 1024, 2048, 4096)
+    assert chunk in (256, 512, 1024, 2048)
     assert prefill_bytes(tiny, chunk, ctx) <= spare < prefill_bytes(tiny, 2 * chunk, ctx)
     assert auto_prefill_chunk(tiny, 512, 2 ** 40, 0) == MAX_AUTO_CHUNK
     assert auto_prefill_chunk(tiny, ctx, 2 ** 30, 2 ** 30, page_size=128) == 128  # none fits
 
 
-@pytest.mark.parametrize("prompt_len, chunk, share_gib", [(131_072, 8192, 8.25),
-                                                     (1_000_000, 512, 3.93)])
+@pytest.mark.parametrize("prompt_len, chunk, share_gib", [(131_072, 4096, 1.65),
+                                                     (1_000_000, 4096, 1.62)])
 def test_flash_at_long_context_fits_one_192_gib_device(capsys, flag_env, prompt_len, chunk,
                                                        share_gib):
     """The estimate of one Flash request on a 192 GiB device: the auto chunk's prefill step
     fits beside 148.7 GiB of weights and the KV pool (27 GiB at 1M), where one step over the
-    whole prompt needed 132 GiB at 128K and 7.7 TiB at 1M. (The step's metadata still grows
-    with the chunk times the context: 8.25 GiB at 128K.)"""
+    whole prompt needed 132 GiB at 128K and 7.7 TiB at 1M (and chunks whose metadata grew
+    with the chunk times the context 8.25 GiB at 128K): the share is now set by the chunk."""
     import json
 
     from dsv4.cli import main

@@ -170,8 +170,9 @@ ERRORS = {  # arguments (and environment) -> the one line expected on stderr
                               "error: --weights native: the FP8/FP4 linears need input dims that "
                               "are multiples of 128; this config has dim=64, q_lora_rank=32, "
                               "o_groups*o_lora_rank=64, moe_inter_dim=32; use --weights bf16"),
-    "prefill chunk too large for the machine": (["--prompt-len", "100000", "--prefill-chunk",
-                                                 "100000"], {}, "error: this run needs about "),
+    "prefill chunk too large for the device": (["--prompt-len", "100000", "--prefill-chunk",
+                                                "100000", "--device-memory", "4"], {},
+                                               "error: this run needs about "),
     "prefill chunk 0": (["--prefill-chunk", "0"], {},
                         "error: --prefill-chunk must be a whole number of tokens >= 1 or auto, "
                         "got '0'"),
@@ -294,11 +295,11 @@ def test_the_model_generate_builds_holds_the_format_the_report_names(
 
 
 def test_the_prefill_is_part_of_the_memory_estimate():
-    from dsv4.memory_estimate import PREFILL_BYTES_PER_ROW, estimate
+    from dsv4.memory_estimate import estimate, prefill_bytes
 
-    tiny = ModelConfig.preset("tiny")          # ratios 4 and 128: 25,004 + 781 rows at 100,016
+    tiny = ModelConfig.preset("tiny")
     big = estimate(tiny, 4, 100_016, prefill_tokens=4096)   # one chunk of 4096 tokens
-    assert big.prefill_bytes == 4096 * (25_004 + 781) * PREFILL_BYTES_PER_ROW
+    assert big.prefill_bytes == prefill_bytes(tiny, 4096, 100_016, batch=4) > 0
     assert big.total_bytes == big.weight_bytes + big.kv_bytes + big.prefill_bytes
     assert "GiB for the prefill step" in big.describe()
     assert estimate(tiny, 4, 48).prefill_bytes == 0   # no prefill tokens given: no prefill
