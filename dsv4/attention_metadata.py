@@ -163,9 +163,14 @@ def attention_plan_ref(positions, req_pool_indices, seq_lens, rows_of_token, fir
 
 
 def prefill_window_width(batch: ForwardBatch, window: int) -> torch.Tensor:
-    """[B] window columns of each request of an extend, as the reference passes them: min(L,
-    window) for a request whose L new tokens start at position 0, window for one that extends
-    a cached prefix (the reference only prefills from 0; a decode step always passes window)."""
+    """[B] window columns of each request of an extend, as the reference passes them: it
+    prefills a prompt of L tokens in one step from position 0, whose queries walk min(L, window)
+    columns (a decode step always passes window). A chunk of a prompt (``batch.prompt_lens``)
+    walks those of its whole prompt, whichever chunk it is; without prompt_lens, a request whose
+    L new tokens start at position 0 is a whole prompt, and one that extends a cached prefix
+    passes window."""
+    if batch.prompt_lens is not None:
+        return batch.prompt_lens.long().clamp(max=window)
     new = batch.extend_seq_lens.long()
     from_start = batch.seq_lens.long() == new
     return torch.where(from_start, new.clamp(max=window), window)
