@@ -7,8 +7,8 @@ For each new token (a query) it says which KV rows it attends and where they liv
   stored at (``swa_write_loc``), is the pool's translation of ``out_cache_loc``, made once per
   step and shared by every layer's store and every layer's window; and, in an extend, how many
   window columns the reference's attention walks before the compressed rows (``window_width``:
-  a request prefilled from position 0 with L < window tokens passes min(L, window) columns,
-  valid rows first, so its compressed rows start in an earlier 64-row block);
+  a prompt of L < window tokens passes min(L, window) columns, valid rows first, in its one
+  extend or in each of its chunks, so its compressed rows start in an earlier 64-row block);
 - per compress ratio r present in the model: the compressed rows c < (pos + 1) // r, at
   compressed-cache location ``full_loc(c * r) // r`` (a full page maps to one compressed page);
 - per ratio, the compressor plan: for each candidate token, the ``window_rows`` (kv, score) rows
