@@ -7,8 +7,8 @@ For each new token (a query) it says which KV rows it attends and where they liv
   stored at (``swa_write_loc``), is the pool's translation of ``out_cache_loc``, made once per
   step and shared by every layer's store and every layer's window; and, in an extend, how many
   window columns the reference's attention walks before the compressed rows (``window_width``:
-  a request prefilled from position 0 with L < window tokens passes min(L, window) columns,
-  valid rows first, so its compressed rows start in an earlier 64-row block);
+  a prompt of L < window tokens passes min(L, window) columns, valid rows first, in its one
+  extend or in each of its chunks, so its compressed rows start in an earlier 64-row block);
 - per compress ratio r present in the model: the compressed rows c < (pos + 1) // r, at
   compressed-cache location ``full_loc(c * r) // r`` (a full page maps to one compressed page);
 - per ratio, the compressor plan: for each candidate token, the ``window_rows`` (kv, score) rows
@@ -159,9 +159,14 @@ def _plan_rows(batch: ForwardBatch, ratio: int, n_rows: int | None) -> int:
 
 
 def prefill_window_width(batch: ForwardBatch, window: int) -> torch.Tensor:
-    """[B] window columns of each request of an extend, as the reference passes them: min(L,
-    window) for a request whose L new tokens start at position 0, window for one that extends
-    a cached prefix (the reference only prefills from 0; a decode step always passes window)."""
+    """[B] window columns of each request of an extend, as the reference passes them: it
+    prefills a prompt of L tokens in one step from position 0, whose queries walk min(L, window)
+    columns (a decode step always passes window). A chunk of a prompt (``batch.prompt_lens``)
+    walks those of its whole prompt, whichever chunk it is; without prompt_lens, a request whose
+    L new tokens start at position 0 is a whole prompt, and one that extends a cached prefix
+    passes window."""
+    if batch.prompt_lens is not None:
+        return batch.prompt_lens.long().clamp(max=window)
     new = batch.extend_seq_lens.long()
     from_start = batch.seq_lens.long() == new
     return torch.where(from_start, new.clamp(max=window), window)

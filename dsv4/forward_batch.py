@@ -33,8 +33,9 @@ class ForwardBatch:
     #                                 largest of seq_lens, or of prompt_lens when given
     # [B] extend only: the whole prompt each request's new tokens belong to, when the engine
     # prefills it in chunks. The widths of the reference's one-step prefill follow it (the
-    # compressed rows per query, the indexer's candidate count), so a prompt's chunks compute
-    # as its one extend would. None: seq_lens.
+    # compressed rows per query, the indexer's candidate count, the window columns walked
+    # before the compressed rows), so a prompt's chunks compute as its one extend would.
+    # None: seq_lens.
     prompt_lens: torch.Tensor | None = None
     # The positions as host ints, when the caller knows them (eager steps): the compressors then
     # pool only the tokens that close a window, chosen without a device read. Without them

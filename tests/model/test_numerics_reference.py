@@ -17,6 +17,11 @@ What holds in each mode:
 - fp32: stable across batch compositions within the tolerances of the runtime tests (which run
   in that mode); not bit-exact with the reference (checked here, so the fixture tells the modes
   apart).
+
+The fixture's prompt is one token: there is no prefill to chunk here (a prefill of its first
+tokens would compare an extend with the reference's decode steps). Chunked prefill is held to
+the reference's bits on the FP8 fixture's prompts (test_numerics_reference_fp8.py) and, with
+bf16 weights, to one extend's bits (tests/runtime/test_chunked_prefill.py).
 """
 
 import pytest

@@ -67,6 +67,53 @@ def test_a_prompt_in_several_chunks_gives_the_bits_of_one_extend(request, flag_e
             assert all_free(engine)
 
 
+def test_a_prompt_shorter_than_the_window_in_chunks_gives_the_bits_of_one_extend(tiny, flag_env):
+    """A 96-token prompt (the window is 128) in chunks of 32: the reference prefills it in one
+    step, whose queries walk min(96, 128) = 96 window columns before the compressed rows; each
+    chunk's queries walk as many (ForwardBatch.prompt_lens). Before, the first chunk walked 32
+    and the later ones the whole window, which put the compressed rows in another 64-row block
+    of the reference's attention (logits up to 0.027 apart on this prompt). The fp32 numerics
+    walk one softmax over all rows, whatever the width. (96 = 3 x 32: a remainder chunk of a
+    few rows can round otherwise, see docs/numerics.md, "Chunked prefill".)"""
+    flag_env(DSV4_NUMERICS="reference")
+    prompt = prompts([96], seed=2)[0]
+    whole, _ = run_logits(tiny, prompt, 1024)
+    got, engine = run_logits(tiny, prompt, 32)
+    assert engine.stats.prefill_chunks == [32, 32, 32]
+    assert got.tokens == whole.tokens
+    assert torch.equal(got.logits, whole.logits)
+
+
+def test_a_chunk_walks_the_window_columns_of_its_whole_prompt():
+    """prefill_window_width: min(prompt_len, window) for every chunk of a prompt (a first chunk,
+    a later one, a whole short prompt); without prompt_lens (a plain extend), the new tokens' own
+    count from position 0 and the whole window over a cached prefix."""
+    from dsv4.attention_metadata import prefill_window_width
+    from dsv4.forward_batch import ForwardBatch, ForwardMode
+
+    def batch(prompt_lens):
+        new, seq = torch.tensor([32, 32, 50, 20]), torch.tensor([32, 96, 50, 220])
+        return ForwardBatch(ForwardMode.EXTEND, input_ids=torch.zeros(134, dtype=torch.long),
+                            positions=torch.zeros(134, dtype=torch.long),
+                            out_cache_loc=torch.zeros(134, dtype=torch.long),
+                            req_pool_indices=torch.arange(4), seq_lens=seq, extend_seq_lens=new,
+                            prompt_lens=prompt_lens)
+
+    chunked = prefill_window_width(batch(torch.tensor([100, 300, 50, 220])), 128)
+    assert chunked.tolist() == [100, 128, 50, 128]
+    assert prefill_window_width(batch(None), 128).tolist() == [32, 128, 50, 128]
+
+
+def run_logits(model, prompt, chunk, new=4):
+    """One prompt in an engine prefilling in chunks of `chunk`: (its GenerateOutput with the
+    logits, the engine)."""
+    engine = Engine(model, max_batch=1, max_context_len=MAX_LEN, page_size=128, graph=False,
+                    prefill_chunk=chunk)
+    out = engine.generate([prompt], new, return_logits=True)
+    assert all_free(engine)
+    return out, engine
+
+
 def test_decodes_go_first_and_the_long_prompt_takes_the_rest_of_the_budget(tiny, flag_env):
     """A short prompt and a long one, budget 128: the first step prefills the short prompt whole
     and the long one's first 118 tokens; from then on each step decodes the short request (one
