@@ -53,10 +53,13 @@ class Scheduler:
         return sum(slots.pages(len(r.prompt)) - slots.pages(len(r.locs)) for r in self.prefilling)
 
     def piece(self, start: int, prompt_len: int, budget: int) -> int:
-        """The tokens of a prompt's next chunk from `start` within `budget` (0: none fits). With
-        a prefix cache a chunk that does not end the prompt ends on a multiple of RING."""
+        """The tokens of a prompt's next chunk from `start` within `budget` (0: none fits). A
+        chunk that does not end the prompt ends on a multiple of RING (8): the prefix cache
+        keeps its rings at such positions, and a step's rows come in multiples of 8 whatever
+        the decodes took of its budget (torch's CPU kernels round some rows of a tensor by
+        where they fall in its vector blocks: see docs/numerics.md)."""
         end = min(prompt_len, start + budget)
-        if end < prompt_len and self.prefix_cache is not None:
+        if end < prompt_len:
             end -= end % RING
         return max(0, end - start)
 
@@ -73,6 +76,8 @@ class Scheduler:
             hit = match_prompt(cache, req) if cache else None
             k = hit.tokens if hit else 0
             n = self.piece(k, len(req.prompt), budget)
+            if n == 0:
+                break
             locs = slots.take([req], [k + n])
             if locs is None:
                 break

@@ -116,31 +116,35 @@ def run_logits(model, prompt, chunk, new=4):
 
 def test_decodes_go_first_and_the_long_prompt_takes_the_rest_of_the_budget(tiny, flag_env):
     """A short prompt and a long one, budget 128: the first step prefills the short prompt whole
-    and the long one's first 118 tokens; from then on each step decodes the short request (one
-    token) and gives the long prompt 127 tokens, so the short one gains a token every step while
-    the long one prefills, not after it."""
+    and the long one's first 112 tokens (118 fit, a chunk ends on a multiple of 8); from then on
+    each step decodes the short request (one token) and gives the long prompt 120 of the 127
+    tokens left, so the short one gains a token every step while the long one prefills, not
+    after it."""
     flag_env()
     engine = Engine(tiny, max_batch=2, max_context_len=MAX_LEN, page_size=128, graph=False,
                     prefill_chunk=128)
     seen = []
     out = engine.generate(prompts([10, 500]), 8,
                           on_step=lambda: seen.append(len(engine.stats.prefill_s)))
-    assert engine.stats.prefill_chunks == [128, 127, 127, 127, 1]
+    assert engine.stats.prefill_chunks == [10 + 112, 120, 120, 120, 28]
     assert seen[:5] == [1, 2, 3, 4, 5]      # one prefill chunk after each decode step
     assert [len(t) for t in out.tokens] == [8, 8]
     assert all_free(engine)
 
 
 def test_a_prompt_progresses_whatever_the_decodes_take(tiny, flag_env):
-    """Budget 8 with 3 requests decoding: the prompt still gets min_prefill_share (8 tokens: an
-    eighth of the chunk, at least 8) a step; with budget 64 and 3 decoding, 61."""
+    """Three 2-token prompts and a long one. Budget 8: the first step prefills the short ones
+    (6 tokens; the 2 left would end the long one's chunk off a multiple of 8); then, with 3
+    requests decoding, the long prompt still gets min_prefill_share (8 tokens: an eighth of the
+    chunk, at least 8) a step. Budget 64: 6 + 56 (58 fit), then 56 of the 61 left by the
+    decodes, then the last 7."""
     flag_env()
-    for chunk, long, after in ((8, 40, [8, 8, 8, 8, 6]), (64, 119, [61])):
+    for chunk, long, chunks in ((8, 40, [6, 8, 8, 8, 8, 8]), (64, 119, [6 + 56, 56, 7])):
         engine = Engine(tiny, max_batch=4, max_context_len=MAX_LEN, page_size=128, graph=False,
                         prefill_chunk=chunk)
         assert engine.min_prefill_share == 8
         out = engine.generate(prompts([2, 2, 2, long]), 6)
-        assert engine.stats.prefill_chunks == [chunk] + after
+        assert engine.stats.prefill_chunks == chunks
         assert [len(t) for t in out.tokens] == [6] * 4 and all_free(engine)
 
 
