@@ -13,9 +13,9 @@ REFERENCE (DeepSeek-V4's reference numerics): the running max starts at -inf and
 sink out, p is rounded to bf16 for p . tile (the denominator sums it unrounded), the sink joins
 the denominator after the last block; the rows are walked in the reference's order, the valid
 window rows first (each in its column order), so the blocks hold the rows the reference's hold:
-the program counts each window column's rank among the valid ones (a prefix sum of the valid
-flags, once) and a block's window position j reads the valid column of rank j (none past the
-valid count). Without it (fp32 numerics) the rows are walked in column order, the running max
+the program takes a prefix sum of the valid flags once, and a block's window position j below
+the valid count reads the column with j valid columns before it (the number of columns whose
+prefix sum is at most j). Without it (fp32 numerics) the rows are walked in column order, the running max
 starts at the sink and the denominator at 1: the same value as one softmax over the rows and
 the sink.
 
@@ -139,22 +139,20 @@ def sparse_decode_attention_kernel(
     acc1 = tl.zeros([BLOCK_H, CHUNK], tl.float32)
     acc2 = tl.zeros([BLOCK_H, CHUNK], tl.float32)
     acc3 = tl.zeros([BLOCK_H, CHUNK], tl.float32)
-    if REFERENCE:   # each window column's rank among the valid ones: its place in the walk
+    if REFERENCE:   # valid window columns up to each column (inclusive), and in all
         wcol = tl.arange(0, BLOCK_W)
-        wvalid = tl.load(wvalid_ptr + n * wvalid_stride + wcol, mask=wcol < n_window,
-                         other=0) != 0
-        wcount = wvalid.to(tl.int32)
-        wrank = tl.cumsum(wcount, 0) - wcount
+        wvalid = tl.load(wvalid_ptr + n * wvalid_stride + wcol, mask=wcol < n_window, other=0)
+        wseen = tl.cumsum((wvalid != 0).to(tl.int32), 0)
+        n_valid = tl.max(wseen, 0)
     total = n_window + n_comp
     for r0 in range(0, total, BLOCK_R):
         j = r0 + tl.arange(0, BLOCK_R)
         in_win = j < n_window
         in_cmp = (j >= n_window) & (j < total)
         cj = j - n_window
-        if REFERENCE:   # position j: the valid column of rank j, if any
-            hit = wvalid[None, :] & (wrank[None, :] == j[:, None])
-            wok = tl.sum(hit.to(tl.int32), axis=1) != 0
-            wj = tl.sum(tl.where(hit, wcol[None, :], 0), axis=1)
+        if REFERENCE:   # position j < n_valid: the valid column with j valid ones before it
+            wok = j < n_valid
+            wj = tl.sum((wseen[None, :] <= j[:, None]).to(tl.int32), axis=1)
         else:
             wok = tl.load(wvalid_ptr + n * wvalid_stride + j, mask=in_win, other=0) != 0
             wj = j
@@ -220,7 +218,7 @@ def sparse_decode_attention_triton(q, swa_cache, window_loc, window_valid, swa_p
         max(comp_valid.stride(0), 1), comp_loc.shape[1], comp_cache.shape[0] * comp_page_size,
         SWA_PAGE=swa_page_size, SWA_PAGE_BYTES=L.page_bytes(swa_page_size),
         CMP_PAGE=comp_page_size, CMP_PAGE_BYTES=L.page_bytes(comp_page_size),
-        FP8=fp8_type(DIALECTS[dialect]), REFERENCE=bool(reference), BLOCK_H=BLOCK_H, BLOCK_R=BLOCK_R,
-        BLOCK_W=triton.next_power_of_2(max(window_loc.shape[1], 1)),
+        FP8=fp8_type(DIALECTS[dialect]), REFERENCE=bool(reference), BLOCK_H=BLOCK_H,
+        BLOCK_R=BLOCK_R, BLOCK_W=triton.next_power_of_2(max(window_loc.shape[1], 1)),
         DOT_BF16=dot_bf16, **LAUNCH_OPTIONS)
     return out

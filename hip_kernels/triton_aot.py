@@ -289,7 +289,7 @@ def _indexer_scores_variants(dialect):
 
 def _decode_attention_variants(dialect):
     """The sparse decode attention as the model runs it on a GPU (bf16 q, bf16 dots; SWA pages
-    of 256, C4 pages of 64), in both numerics."""
+    of 256, C4 pages of 64; a window of 128 rows), in both numerics."""
     from . import decode_attention_triton as A
     from .triton_kv_row import fp8_type
 
@@ -304,7 +304,7 @@ def _decode_attention_variants(dialect):
         cex = {"SWA_PAGE": 256, "SWA_PAGE_BYTES": L.page_bytes(256), "CMP_PAGE": 64,
                "CMP_PAGE_BYTES": L.page_bytes(64), "FP8": fp8_type(dialect),
                "REFERENCE": reference, "BLOCK_H": A.BLOCK_H, "BLOCK_R": A.BLOCK_R,
-               "DOT_BF16": True}
+               "BLOCK_W": 128, "DOT_BF16": True}
         return A.sparse_decode_attention_kernel, sig, cex, A.LAUNCH_OPTIONS
 
     return {"sparse_decode_attention (reference)": variant(True),
