@@ -124,11 +124,13 @@ def select_rows(indexer: Indexer, qr, x, freqs, plan: CompressPlan, rows: slice,
     w = indexer.head_weights(x, options.reference)
     loc, visible = plan.candidates(rows)
     if plan.row_request is None:
-        scores = indexer_scores(q, w, cache, loc, visible, page_size, kernel=options.kernel)
+        scores = indexer_scores(q, w, cache, loc, visible, page_size,
+                                weight_scale=indexer.weight_scale, kernel=options.kernel)
     else:   # an extend: the queries of a request share its candidates, each key read once
         scores = torch.cat([
             indexer_scores_shared(q[run], w[run], cache, plan.row_loc[request], visible[run],
-                                  page_size, kernel=options.kernel)
+                                  page_size, weight_scale=indexer.weight_scale,
+                                  kernel=options.kernel)
             for run, request in plan.request_runs(rows)])
     pick = indexer.select(scores, visible, options, plan.row_width[rows])
     return picked_rows(loc, pick, kernel=options.kernel)

@@ -275,9 +275,9 @@ def _indexer_scores_variants(dialect):
     def variant(bf16):
         w = "*bf16" if bf16 else "*fp32"
         sig = {"q_ptr": "*bf16", "q_stride_n": "i32:D", "q_stride_h": "i32:D", "w_ptr": w,
-               "w_stride_n": "i32:D", "cache_ptr": "*u8", "loc_ptr": "*i64", "loc_stride_n": "i32",
-               "valid_ptr": "*i1", "valid_stride_n": "i32", "out_ptr": w, "n_heads": "i32:D",
-               "n_rows": "i32", "num_slots": "i32"}
+               "w_stride_n": "i32:D", "w_scale": "fp32", "cache_ptr": "*u8", "loc_ptr": "*i64",
+               "loc_stride_n": "i32", "valid_ptr": "*i1", "valid_stride_n": "i32", "out_ptr": w,
+               "n_heads": "i32:D", "n_rows": "i32", "num_slots": "i32"}
         cex = {"PAGE_SIZE": 64, "FP8": fp8_constexprs(dialect)["FP8"], "BF16": bf16,
                "HEAD_BLOCK": S.head_block(64), "BLOCK_C": S.BLOCK_C, "D_CHUNK": S.D_CHUNK,
                "DOT_BF16": bf16}
