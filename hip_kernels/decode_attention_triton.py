@@ -15,9 +15,9 @@ the denominator after the last block; the rows are walked in the reference's ord
 window rows first (each in its column order), so the blocks hold the rows the reference's hold:
 the program takes a prefix sum of the valid flags once, and a block's window position j below
 the valid count reads the column with j valid columns before it (the number of columns whose
-prefix sum is at most j). Without it (fp32 numerics) the rows are walked in column order, the running max
-starts at the sink and the denominator at 1: the same value as one softmax over the rows and
-the sink.
+prefix sum is at most j). Without it (fp32 numerics) the rows are walked in column order, the
+running max starts at the sink and the denominator at 1: the same value as one softmax over the
+rows and the sink.
 
 The dequantized rows are exact in bf16 and q is bf16, so on a GPU the scores are a bf16 dot with
 fp32 accumulation (exact products; DOT_BF16); the interpreter's bf16 dot is not reliable, so

@@ -252,9 +252,11 @@ def _attention_projection_variants():
     from . import grouped_out_proj_triton as G
     from . import indexer_query_triton as Q
 
-    query = {"q_ptr": "*bf16", "freq_ptr": "*fp32", "out_ptr": "*bf16", "n_heads": "i32:D"}
-    out_proj = {"o_ptr": "*bf16", "freq_ptr": "*fp32", "w_ptr": "*bf16", "out_ptr": "*bf16",
-                "n_tokens": "i32", "K": "i32:D", "R": "i32:D"}
+    query = {"q_ptr": "*bf16", "freq_ptr": "*fp32", "freq_stride": "i32:D", "pos_ptr": "*i64",
+             "out_ptr": "*bf16", "n_heads": "i32:D"}
+    out_proj = {"o_ptr": "*bf16", "freq_ptr": "*fp32", "freq_stride": "i32:D", "pos_ptr": "*i64",
+                "w_ptr": "*bf16", "out_ptr": "*bf16", "n_tokens": "i32", "K": "i32:D",
+                "R": "i32:D"}
 
     return {
         "indexer_query": (Q.indexer_query_kernel, query, {

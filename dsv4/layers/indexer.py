@@ -48,11 +48,12 @@ class Indexer(nn.Module):
         self.compressor = Compressor(cfg.dim, self.head_dim, self.rope_dim, self.ratio,
                                      cfg.norm_eps, rotate=True, device=device)
 
-    def project_q(self, qr: torch.Tensor, freqs_cis: torch.Tensor, reference: bool,
-                  kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
-        """Index queries [N, Hi, 128] (RoPE at the token positions, rotated, FP4-simulated: one
-        op after wq_b, ``hip_kernels.indexer_query``)."""
-        return indexer_query(self.wq_b(qr, kernel), freqs_cis, self.n_local_heads,
+    def project_q(self, qr: torch.Tensor, freqs_cis: torch.Tensor, positions: torch.Tensor,
+                  reference: bool, kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS
+                  ) -> torch.Tensor:
+        """Index queries [N, Hi, 128] (RoPE from the table freqs_cis at the token positions,
+        rotated, FP4-simulated: one op after wq_b, ``hip_kernels.indexer_query``)."""
+        return indexer_query(self.wq_b(qr, kernel), freqs_cis, positions, self.n_local_heads,
                              self.rope_dim, reference=reference, kernel=kernel)
 
     def head_weights(self, x: torch.Tensor, reference: bool) -> torch.Tensor:
