@@ -19,8 +19,7 @@ import bench_common as bc  # noqa: E402  (the benchmark's counter: no views, no 
 
 # One layer's attention half: 18 ops on a ratio-4 layer (q 3, kv + store 2, compressors 2 + 2,
 # indexer 6, attention 1, output 2; the ops read the RoPE table at the positions themselves),
-# and the two compressed-row stores of a
-# step that closes a window.
+# and the two compressed-row stores of a step that closes a window.
 ATTENTION_BUDGET = 22
 
 
