@@ -115,20 +115,24 @@ def run_compressor(comp: Compressor, x: torch.Tensor, positions: torch.Tensor, p
     return new
 
 
-def select_rows(indexer: Indexer, qr, x, freqs, plan: CompressPlan, rows: slice, cache,
-                page_size: int, options: Options) -> tuple[torch.Tensor, torch.Tensor]:
-    """(compressed locations [n, k], valid [n, k]) the indexer keeps for the queries in rows.
-    The scores are one op reading the FP8 key cache in place (a Triton kernel on a GPU); in an
-    extend, one per request of the piece, its keys read once for all its queries."""
-    q = indexer.project_q(qr, freqs, options.reference, options.kernel)
+def select_rows(indexer: Indexer, qr, x, freqs_cis, positions, plan: CompressPlan,
+                rows: slice, cache, page_size: int,
+                options: Options) -> tuple[torch.Tensor, torch.Tensor]:
+    """(compressed locations [n, k], valid [n, k]) the indexer keeps for the queries in rows (qr,
+    x, positions: theirs; freqs_cis: the layer's RoPE table). The scores are one op reading the
+    FP8 key cache in place (a Triton kernel on a GPU); in an extend, one per request of the
+    piece, its keys read once for all its queries."""
+    q = indexer.project_q(qr, freqs_cis, positions, options.reference, options.kernel)
     w = indexer.head_weights(x, options.reference)
     loc, visible = plan.candidates(rows)
     if plan.row_request is None:
-        scores = indexer_scores(q, w, cache, loc, visible, page_size, kernel=options.kernel)
+        scores = indexer_scores(q, w, cache, loc, visible, page_size,
+                                weight_scale=indexer.weight_scale, kernel=options.kernel)
     else:   # an extend: the queries of a request share its candidates, each key read once
         scores = torch.cat([
             indexer_scores_shared(q[run], w[run], cache, plan.row_loc[request], visible[run],
-                                  page_size, kernel=options.kernel)
+                                  page_size, weight_scale=indexer.weight_scale,
+                                  kernel=options.kernel)
             for run, request in plan.request_runs(rows)])
     pick = indexer.select(scores, visible, options, plan.row_width[rows])
     return picked_rows(loc, pick, kernel=options.kernel)
@@ -143,13 +147,13 @@ def read_kv_shared(cache: torch.Tensor, loc: torch.Tensor, page_size: int,
 
 
 def attend(attn: Attention, q: torch.Tensor, qr: torch.Tensor, x: torch.Tensor,
-           freqs: torch.Tensor, meta: AttentionMetadata, options: Options, caches,
-           decode: bool) -> torch.Tensor:
-    """Attention output [N, dim] of queries q [N, H, 512] (normed, rotated); caches is the
-    layer's ``LayerCaches``. Decode: one op reading the FP8 rows in place
-    (``hip_kernels.sparse_decode_attention``, a Triton kernel on a GPU). Extend: each distinct
-    row is dequantized once for all the queries of a piece (``extend_piece``), then the same
-    math."""
+           freqs_cis: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+           options: Options, caches, decode: bool) -> torch.Tensor:
+    """Attention output [N, dim] of queries q [N, H, 512] (normed, rotated) at positions [N] (the
+    ops read the RoPE table freqs_cis at them); caches is the layer's ``LayerCaches``. Decode:
+    one op reading the FP8 rows in place (``hip_kernels.sparse_decode_attention``, a Triton
+    kernel on a GPU). Extend: each distinct row is dequantized once for all the queries of a
+    piece (``extend_piece``), then the same math."""
     n = q.shape[0]
     plan = meta.plans[attn.ratio] if attn.ratio else None
     piece = n if decode else min(n, layer_extend_piece(attn, meta.window_loc.shape[1], plan))
@@ -160,8 +164,8 @@ def attend(attn: Attention, q: torch.Tensor, qr: torch.Tensor, x: torch.Tensor,
         comp = None
         if plan is not None:
             if attn.indexer is not None:
-                comp = select_rows(attn.indexer, qr[rows], x[rows], freqs[rows], plan, rows,
-                                   caches.index, caches.index_page_size, options)
+                comp = select_rows(attn.indexer, qr[rows], x[rows], freqs_cis, positions[rows],
+                                   plan, rows, caches.index, caches.index_page_size, options)
             else:
                 comp = plan.candidates(rows)
         if decode:
@@ -180,7 +184,7 @@ def attend(attn: Attention, q: torch.Tensor, qr: torch.Tensor, x: torch.Tensor,
                 valid.append(comp[1])
             width = None if meta.window_width is None else meta.window_width[rows]
             o = attn.sparse_attention(q[rows], kv, valid, options.reference, width)
-        outs.append(attn.project_out(o, freqs[rows], options.kernel))
+        outs.append(attn.project_out(o, freqs_cis, positions[rows], options.kernel))
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
@@ -231,8 +235,8 @@ class PagedAttention:
         caches = self.caches(pool)
         prepare = self.prepare_multi_stream if options.multi_stream_prepare else self.prepare
         q, qr = prepare(y, batch, meta, options, pool, caches, freqs_cis, ring_capture)
-        freqs = freqs_cis[batch.positions.long()]
-        return attend(self.attn, q, qr, y, freqs, meta, options, caches, batch.is_decode)
+        return attend(self.attn, q, qr, y, freqs_cis, batch.positions, meta, options, caches,
+                      batch.is_decode)
 
     def project_q_store_kv(self, y, batch, meta, options, pool, caches, freqs_cis):
         """(q, qr): Q projection; window KV norm + RoPE + FP8 store into the layer's SWA buffer

@@ -129,6 +129,19 @@ def check_locations(name: str, loc, n: int, capacity: int, device,
         check_slot_values(name, loc, capacity)
 
 
+def check_positions(positions, n: int, max_pos: int, device,
+                    kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> None:
+    """positions: [n] int32/int64 on device, each a row of a RoPE table of max_pos rows: kernels
+    read freqs_cis[positions] unchecked (the range check is a host sync: see
+    value_checks_enabled())."""
+    check_tensor("positions", positions, dtypes=LOC_DTYPES, shape=(n,), device=device)
+    if positions.numel() and value_checks_enabled(kernel):
+        lo, hi = torch.stack(torch.aminmax(positions)).tolist()
+        if lo < 0 or hi >= max_pos:
+            raise IndexError(f"positions holds {lo if lo < 0 else hi} but freqs_cis has {max_pos} "
+                             f"rows (valid: 0..{max_pos - 1})")
+
+
 def check_slot_values(name: str, slots, capacity: int,
                       range_message: str | None = None) -> None:
     """Slots below capacity, and each slot >= 1 at most once: two rows writing one slot would

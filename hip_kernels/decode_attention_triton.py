@@ -11,9 +11,13 @@ updates the running max, the denominator and four [BLOCK_H, 128] accumulators.
 
 REFERENCE (DeepSeek-V4's reference numerics): the running max starts at -inf and leaves the
 sink out, p is rounded to bf16 for p . tile (the denominator sums it unrounded), the sink joins
-the denominator after the last block; the caller puts the valid window rows first. Without it
-(fp32 numerics) the running max starts at the sink and the denominator at 1: the same value as
-one softmax over the rows and the sink.
+the denominator after the last block; the rows are walked in the reference's order, the valid
+window rows first (each in its column order), so the blocks hold the rows the reference's hold:
+the program takes a prefix sum of the valid flags once, and a block's window position j below
+the valid count reads the column with j valid columns before it (the number of columns whose
+prefix sum is at most j). Without it (fp32 numerics) the rows are walked in column order, the
+running max starts at the sink and the denominator at 1: the same value as one softmax over the
+rows and the sink.
 
 The dequantized rows are exact in bf16 and q is bf16, so on a GPU the scores are a bf16 dot with
 fp32 accumulation (exact products; DOT_BF16); the interpreter's bf16 dot is not reliable, so
@@ -114,7 +118,8 @@ def sparse_decode_attention_kernel(
         cmp_ptr, cloc_ptr, cloc_stride, cvalid_ptr, cvalid_stride, n_comp, cmp_slots,
         SWA_PAGE: tl.constexpr, SWA_PAGE_BYTES: tl.constexpr, CMP_PAGE: tl.constexpr,
         CMP_PAGE_BYTES: tl.constexpr, FP8: tl.constexpr, REFERENCE: tl.constexpr,
-        BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, DOT_BF16: tl.constexpr):
+        BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
+        DOT_BF16: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     head_ok = heads < n_heads
@@ -134,14 +139,24 @@ def sparse_decode_attention_kernel(
     acc1 = tl.zeros([BLOCK_H, CHUNK], tl.float32)
     acc2 = tl.zeros([BLOCK_H, CHUNK], tl.float32)
     acc3 = tl.zeros([BLOCK_H, CHUNK], tl.float32)
+    if REFERENCE:   # valid window columns up to each column (inclusive), and in all
+        wcol = tl.arange(0, BLOCK_W)
+        wvalid = tl.load(wvalid_ptr + n * wvalid_stride + wcol, mask=wcol < n_window, other=0)
+        wseen = tl.cumsum((wvalid != 0).to(tl.int32), 0)
+        n_valid = tl.max(wseen, 0)
     total = n_window + n_comp
     for r0 in range(0, total, BLOCK_R):
         j = r0 + tl.arange(0, BLOCK_R)
         in_win = j < n_window
         in_cmp = (j >= n_window) & (j < total)
         cj = j - n_window
-        wloc = tl.load(wloc_ptr + n * wloc_stride + j, mask=in_win, other=0).to(tl.int64)
-        wok = tl.load(wvalid_ptr + n * wvalid_stride + j, mask=in_win, other=0) != 0
+        if REFERENCE:   # position j < n_valid: the valid column with j valid ones before it
+            wok = j < n_valid
+            wj = tl.sum((wseen[None, :] <= j[:, None]).to(tl.int32), axis=1)
+        else:
+            wok = tl.load(wvalid_ptr + n * wvalid_stride + j, mask=in_win, other=0) != 0
+            wj = j
+        wloc = tl.load(wloc_ptr + n * wloc_stride + wj, mask=in_win & wok, other=0).to(tl.int64)
         cloc = tl.load(cloc_ptr + n * cloc_stride + cj, mask=in_cmp, other=0).to(tl.int64)
         cok = tl.load(cvalid_ptr + n * cvalid_stride + cj, mask=in_cmp, other=0) != 0
         valid = (in_win & wok) | (in_cmp & cok)
@@ -181,25 +196,15 @@ def sparse_decode_attention_kernel(
     tl.store(o_row + 3 * CHUNK + cols, (acc3 / denom[:, None]).to(dt), mask=head_ok[:, None])
 
 
-def reference_order(loc: torch.Tensor, ok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A segment's (loc, valid) with its valid rows first, each group in its own order."""
-    order = torch.argsort((~ok).to(torch.int8), dim=1, stable=True)
-    return loc.gather(1, order), ok.gather(1, order)
-
-
 def sparse_decode_attention_triton(q, swa_cache, window_loc, window_valid, swa_page_size,
                                    comp_cache, comp_loc, comp_valid, comp_page_size, sink, scale,
                                    reference, dialect) -> torch.Tensor:
     """o [N, H, 512], the op's triton backend (checked arguments; see
-    `decode_attention.sparse_decode_attention`; dialect: the fp8 dialect's name). With
-    reference the kernel walks the rows in the order given: the valid window rows first
-    (`reference_order`)."""
+    `decode_attention.sparse_decode_attention`; dialect: the fp8 dialect's name)."""
     n, n_heads = q.shape[:2]
     out = torch.empty_like(q)
     if n == 0:
         return out
-    if reference:
-        window_loc, window_valid = reference_order(window_loc, window_valid)
     if comp_cache is None:   # an empty segment: any tensor stands for its pointers
         comp_cache, comp_loc, comp_valid = swa_cache, window_loc[:, :0], window_valid[:, :0]
         comp_page_size = swa_page_size
@@ -213,6 +218,7 @@ def sparse_decode_attention_triton(q, swa_cache, window_loc, window_valid, swa_p
         max(comp_valid.stride(0), 1), comp_loc.shape[1], comp_cache.shape[0] * comp_page_size,
         SWA_PAGE=swa_page_size, SWA_PAGE_BYTES=L.page_bytes(swa_page_size),
         CMP_PAGE=comp_page_size, CMP_PAGE_BYTES=L.page_bytes(comp_page_size),
-        FP8=fp8_type(DIALECTS[dialect]), REFERENCE=bool(reference), BLOCK_H=BLOCK_H, BLOCK_R=BLOCK_R,
+        FP8=fp8_type(DIALECTS[dialect]), REFERENCE=bool(reference), BLOCK_H=BLOCK_H,
+        BLOCK_R=BLOCK_R, BLOCK_W=triton.next_power_of_2(max(window_loc.shape[1], 1)),
         DOT_BF16=dot_bf16, **LAUNCH_OPTIONS)
     return out

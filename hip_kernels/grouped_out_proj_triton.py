@@ -1,7 +1,8 @@
 """The Triton kernel of `grouped_out_proj`: one program per (block of BLOCK_N tokens, group g,
 block of BLOCK_R outputs). It walks group g's flattened heads (width K = H * D / G) in BLOCK_K
 columns: the tile of o gets the inverse RoPE where its columns are a head's last rope_dim dims
-(`rotary_triton.rope_tail`, the reference's roundings), is rounded to o's dtype, and meets the
+(`rotary_triton.rope_tail`, the reference's roundings; the factors from the table's row at each
+token's position), is rounded to o's dtype, and meets the
 [BLOCK_R, BLOCK_K] tile of the group's weight block in a tl.dot with an fp32 accumulator; one
 rounding to o's dtype at the end. On a GPU a bf16/fp16 o runs the dot on the matrix cores in
 o's dtype (DOT_NATIVE: exact products, fp32 sums); the interpreter's bf16 dot is wrong, so there
@@ -28,7 +29,8 @@ LAUNCH_OPTIONS = {"num_warps": 8, "enable_fp_fusion": False}
 
 
 @triton.jit
-def grouped_out_proj_kernel(o_ptr, freq_ptr, w_ptr, out_ptr, n_tokens, K, R,
+def grouped_out_proj_kernel(o_ptr, freq_ptr, freq_stride, pos_ptr, w_ptr, out_ptr, n_tokens, K,
+                            R,
                             HEAD_DIM: tl.constexpr, ROPE_DIM: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                             BLOCK_K: tl.constexpr, DOT_NATIVE: tl.constexpr):
@@ -40,7 +42,8 @@ def grouped_out_proj_kernel(o_ptr, freq_ptr, w_ptr, out_ptr, n_tokens, K, R,
     n_groups = tl.num_programs(1)
     o_rows = o_ptr + tok[:, None] * n_groups * K + g * K
     w_rows = w_ptr + (g * R + r[:, None]).to(tl.int64) * K
-    freq_rows = freq_ptr + tok[:, None] * ROPE_DIM
+    pos = tl.load(pos_ptr + tok, mask=tok < n_tokens, other=0).to(tl.int64)
+    freq_rows = freq_ptr + pos[:, None] * freq_stride
     DTYPE: tl.constexpr = out_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_N, BLOCK_R], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -59,16 +62,17 @@ def grouped_out_proj_kernel(o_ptr, freq_ptr, w_ptr, out_ptr, n_tokens, K, R,
     tl.store(out, acc.to(DTYPE), mask=tok_ok & (r < R)[None, :])
 
 
-def grouped_out_proj_triton(o: torch.Tensor, freqs_cis: torch.Tensor, weight: torch.Tensor,
-                            n_groups: int, rope_dim: int) -> torch.Tensor:
+def grouped_out_proj_triton(o: torch.Tensor, freqs_cis: torch.Tensor, positions: torch.Tensor,
+                            weight: torch.Tensor, n_groups: int, rope_dim: int) -> torch.Tensor:
     n, h, d = o.shape
     rows = weight.shape[0] // n_groups
     out = torch.empty(n, weight.shape[0], dtype=o.dtype, device=o.device)
     dot_native = o.dtype != torch.float32 and not triton_interpreted()
     if n and rows:
         grid = (triton.cdiv(n, BLOCK_N), n_groups, triton.cdiv(rows, BLOCK_R))
+        freqs = torch.view_as_real(freqs_cis)
         grouped_out_proj_kernel[grid](
-            o, torch.view_as_real(freqs_cis), weight, out, n, h * d // n_groups, rows,
+            o, freqs, freqs.stride(0), positions, weight, out, n, h * d // n_groups, rows,
             HEAD_DIM=d, ROPE_DIM=rope_dim, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K,
             DOT_NATIVE=dot_native, **LAUNCH_OPTIONS)
     return out

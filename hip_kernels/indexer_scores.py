@@ -1,12 +1,15 @@
 """The lightning indexer's scores of a query against compressed rows read from the FP8 indexer
 cache, as one dispatcher op (`torch.ops.dsv4.indexer_scores`).
 
-    score[n, t] = sum_h relu(q[n, h] . key[n, t]) * w[n, h]
+    score[n, t] = sum_h relu(q[n, h] . key[n, t]) * w[n, h],   w = weights * weight_scale
 
-in the dtype of the weights w: bf16 is the reference numerics (each step rounded to bf16: the
-q.k products, relu, the weighting, the head sum), fp32 keeps every step fp32. The keys are the
-cache's rows at loc (fp8 values times their fp32 scale, see `kv_layout.read_indexer_rows`).
-Rows that are not valid score -inf, so a top-k can take the scores as they are.
+in the dtype of the weights: bf16 is the reference numerics (each step rounded to bf16: the
+scaled weights, the q.k products, relu, the weighting, the head sum), fp32 keeps every step
+fp32. The weight scale (the model's 128^-0.5 * Hi^-0.5) is applied inside the op as torch
+multiplies a tensor by a Python float: the product in fp32, rounded to the weights' dtype. The
+keys are the cache's rows at loc (fp8 values times their fp32 scale, see
+`kv_layout.read_indexer_rows`). Rows that are not valid score -inf, so a top-k can take the
+scores as they are.
 
 The torch path (`indexer_scores_cache_ref`) dequantizes every row into an fp32 [N, C, 128]
 copy and runs the reference (`indexer_scores_ref`); the Triton kernel (`indexer_scores_triton`)
@@ -49,10 +52,11 @@ def indexer_scores_ref(q: torch.Tensor, weights: torch.Tensor,
     return (s * weights.unsqueeze(-1)).sum(1)
 
 
-def indexer_scores_cache_ref(q, weights, cache, loc, valid, page_size, dialect):
+def indexer_scores_cache_ref(q, weights, cache, loc, valid, page_size, weight_scale, dialect):
     """The op's torch backend: the keys at loc dequantized (dialect: the fp8 dialect's name),
-    scored by `indexer_scores_ref`, -inf where not valid; ``KEY_TILE_COLUMNS`` columns at a
-    time, so the dequantized keys never outgrow one tile."""
+    scored by `indexer_scores_ref` with the weights times weight_scale, -inf where not valid;
+    ``KEY_TILE_COLUMNS`` columns at a time, so the dequantized keys never outgrow one tile."""
+    weights = weights * weight_scale
     tiles = []
     for start in range(0, loc.shape[1], KEY_TILE_COLUMNS):
         cols = slice(start, start + KEY_TILE_COLUMNS)
@@ -62,14 +66,15 @@ def indexer_scores_cache_ref(q, weights, cache, loc, valid, page_size, dialect):
     return scores.masked_fill(~valid, float("-inf"))
 
 
-def _fake(q, weights, cache, loc, valid, page_size, dialect):
+def _fake(q, weights, cache, loc, valid, page_size, weight_scale, dialect):
     return weights.new_empty(loc.shape)
 
 
-def indexer_scores_shared_ref(q, weights, cache, loc, valid, page_size, dialect):
+def indexer_scores_shared_ref(q, weights, cache, loc, valid, page_size, weight_scale, dialect):
     """The shared op's torch backend: each tile of keys at loc [C] dequantized once for all the
-    queries, scored as `indexer_scores_ref` scores them (the same bits: one q.k per entry, the
-    same reductions), -inf where not valid."""
+    queries, scored as `indexer_scores_ref` scores them with the weights times weight_scale (the
+    same bits: one q.k per entry, the same reductions), -inf where not valid."""
+    weights = weights * weight_scale
     dtype = weights.dtype
     tiles = []
     for start in range(0, loc.shape[0], KEY_TILE_COLUMNS):
@@ -81,20 +86,24 @@ def indexer_scores_shared_ref(q, weights, cache, loc, valid, page_size, dialect)
     return scores.masked_fill(~valid, float("-inf"))
 
 
-def _shared_fake(q, weights, cache, loc, valid, page_size, dialect):
+def _shared_fake(q, weights, cache, loc, valid, page_size, weight_scale, dialect):
     return weights.new_empty(valid.shape)
 
 
 define_op(OP, "(Tensor q, Tensor weights, Tensor cache, Tensor loc, Tensor valid, "
-          "int page_size, str dialect) -> Tensor", indexer_scores_cache_ref, _fake,
-          triton="indexer_scores_triton.indexer_scores_triton")
+          "int page_size, float weight_scale, str dialect) -> Tensor", indexer_scores_cache_ref,
+          _fake, triton="indexer_scores_triton.indexer_scores_triton")
 define_op(SHARED_OP, "(Tensor q, Tensor weights, Tensor cache, Tensor loc, Tensor valid, "
-          "int page_size, str dialect) -> Tensor", indexer_scores_shared_ref, _shared_fake,
+          "int page_size, float weight_scale, str dialect) -> Tensor",
+          indexer_scores_shared_ref, _shared_fake,
           triton="indexer_scores_triton.indexer_scores_shared_triton")
 
 
-def _check_args(q, weights, cache, loc, valid, page_size, kernel, shared=False) -> None:
+def _check_args(q, weights, cache, loc, valid, page_size, weight_scale, kernel,
+                shared=False) -> None:
     check_tensor("q", q, dtypes=Q_DTYPES, shape=(None, None, kv_layout.INDEX_DIM))
+    if isinstance(weight_scale, bool) or not isinstance(weight_scale, (int, float)):
+        raise TypeError(f"weight_scale must be a float, got {weight_scale!r}")
     n, heads = q.shape[:2]
     dev = q.device
     check_tensor("weights", weights, dtypes=WEIGHT_DTYPES, shape=(n, heads), device=dev)
@@ -113,11 +122,12 @@ def _check_args(q, weights, cache, loc, valid, page_size, kernel, shared=False) 
 
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor,
-                   valid: torch.Tensor, page_size: int, *,
+                   valid: torch.Tensor, page_size: int, *, weight_scale: float = 1.0,
                    kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
     """Scores [N, C] in weights' dtype of queries q [N, Hi, 128] (fp32 or bf16) with per-head
-    weights [N, Hi] (bf16: reference numerics; fp32: fp32 numerics) against the indexer keys at
-    loc [N, C] (int64 or int32) of cache (uint8 [pages, indexer_page_bytes(page_size)]).
+    weights [N, Hi] (bf16: reference numerics; fp32: fp32 numerics) times weight_scale (a float,
+    applied inside the op: the product rounded to the weights' dtype) against the indexer keys
+    at loc [N, C] (int64 or int32) of cache (uint8 [pages, indexer_page_bytes(page_size)]).
     Entries where valid (bool [N, C]) is False score -inf; their loc is never read (0 by
     convention).
 
@@ -126,14 +136,15 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, 
     kernel then scores a valid location outside the cache NaN, never reading past it. The
     backend: kernel.backend (no HIP version: hip runs Triton where it can)."""
     check_kernel(kernel)
-    _check_args(q, weights, cache, loc, valid, page_size, kernel)
+    _check_args(q, weights, cache, loc, valid, page_size, weight_scale, kernel)
     return op(OP, resolve(OP, q.device, kernel.backend))(
         q.contiguous(), weights.contiguous(), cache, loc.contiguous(), valid.contiguous(),
-        page_size, kernel.fp8_dialect.name)
+        page_size, float(weight_scale), kernel.fp8_dialect.name)
 
 
 def indexer_scores_shared(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor,
                           loc: torch.Tensor, valid: torch.Tensor, page_size: int, *,
+                          weight_scale: float = 1.0,
                           kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
     """`indexer_scores` for queries that share one list of candidate rows, loc [C] (int64 or
     int32): an extend's queries of one request, each seeing the rows its position has closed
@@ -141,7 +152,7 @@ def indexer_scores_shared(q: torch.Tensor, weights: torch.Tensor, cache: torch.T
     query, bit for bit; the torch path dequantizes each key once for all of them instead of
     once per query. Same checks and backends as `indexer_scores`."""
     check_kernel(kernel)
-    _check_args(q, weights, cache, loc, valid, page_size, kernel, shared=True)
+    _check_args(q, weights, cache, loc, valid, page_size, weight_scale, kernel, shared=True)
     return op(SHARED_OP, resolve(OP, q.device, kernel.backend))(
         q.contiguous(), weights.contiguous(), cache, loc.contiguous(), valid.contiguous(),
-        page_size, kernel.fp8_dialect.name)
+        page_size, float(weight_scale), kernel.fp8_dialect.name)

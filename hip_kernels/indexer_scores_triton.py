@@ -8,13 +8,15 @@ tile: padded heads load zeros and get weight 0); k.q [BLOCK_C, HEAD_BLOCK] is ac
 fp32 over D_CHUNK-wide slices of the 128 dims, then the head sum runs along the rows of that
 tile (rows by heads keeps the accumulator and the epilogue within 64 VGPRs on MI300).
 
-BF16 (reference numerics) rounds where the torch reference does: q and the keys to bf16, k.q to
-bf16, relu, the weighting to bf16, then the head sum in fp32 rounded once to bf16. Without it
-everything stays fp32 (IEEE fp32 dot). DOT_BF16 feeds the bf16-rounded q and keys to a bf16
-`tl.dot` with fp32 accumulation: the same exact products, on the bf16 matrix cores; the launcher
-sets it on a GPU only (the interpreter's bf16 dot is wrong), so the interpreter runs the fp32
-dot on the same bf16 values. Rows that are not valid score -inf; a valid row whose location lies
-outside the cache reads nothing and scores NaN, like a poisoned key.
+The weights are scaled in the kernel (w * w_scale in fp32, as torch multiplies a bf16 or fp32
+tensor by a Python float). BF16 (reference numerics) rounds where the torch reference does: the
+scaled weights to bf16, q and the keys to bf16, k.q to bf16, relu, the weighting to bf16, then
+the head sum in fp32 rounded once to bf16. Without it everything stays fp32 (IEEE fp32 dot).
+DOT_BF16 feeds the bf16-rounded q and keys to a bf16 `tl.dot` with fp32 accumulation: the same
+exact products, on the bf16 matrix cores; the launcher sets it on a GPU only (the interpreter's
+bf16 dot is wrong), so the interpreter runs the fp32 dot on the same bf16 values. Rows that are
+not valid score -inf; a valid row whose location lies outside the cache reads nothing and scores
+NaN, like a poisoned key.
 """
 
 from __future__ import annotations
@@ -48,9 +50,9 @@ def _round_bf16(x):
 
 
 @triton.jit
-def indexer_scores_kernel(q_ptr, q_stride_n, q_stride_h, w_ptr, w_stride_n, cache_ptr, loc_ptr,
-                          loc_stride_n, valid_ptr, valid_stride_n, out_ptr, n_heads, n_rows,
-                          num_slots, PAGE_SIZE: tl.constexpr, FP8: tl.constexpr,
+def indexer_scores_kernel(q_ptr, q_stride_n, q_stride_h, w_ptr, w_stride_n, w_scale, cache_ptr,
+                          loc_ptr, loc_stride_n, valid_ptr, valid_stride_n, out_ptr, n_heads,
+                          n_rows, num_slots, PAGE_SIZE: tl.constexpr, FP8: tl.constexpr,
                           BF16: tl.constexpr, HEAD_BLOCK: tl.constexpr, BLOCK_C: tl.constexpr,
                           D_CHUNK: tl.constexpr, DOT_BF16: tl.constexpr = False):
     n = tl.program_id(0).to(tl.int64)
@@ -86,6 +88,9 @@ def indexer_scores_kernel(q_ptr, q_stride_n, q_stride_h, w_ptr, w_stride_n, cach
         s = _round_bf16(s)
     s = tl.where(s < 0.0, 0.0, s)                                      # relu; NaN stays NaN
     w = tl.load(w_ptr + n * w_stride_n + heads, mask=head_ok, other=0.0).to(tl.float32)
+    w = w * w_scale
+    if BF16:
+        w = _round_bf16(w)
     terms = s * w[None, :]
     if BF16:
         terms = _round_bf16(terms)
@@ -97,7 +102,7 @@ def indexer_scores_kernel(q_ptr, q_stride_n, q_stride_h, w_ptr, w_stride_n, cach
 
 def indexer_scores_triton(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor,
                           loc: torch.Tensor, valid: torch.Tensor, page_size: int,
-                          dialect: str) -> torch.Tensor:
+                          weight_scale: float, dialect: str) -> torch.Tensor:
     """Scores [N, C] in weights' dtype, the op's triton backend (checked arguments; see
     `indexer_scores`; dialect: the fp8 dialect's name)."""
     n, n_heads = weights.shape
@@ -108,8 +113,8 @@ def indexer_scores_triton(q: torch.Tensor, weights: torch.Tensor, cache: torch.T
         bf16 = weights.dtype == torch.bfloat16
         interpreted = triton_interpreted()
         indexer_scores_kernel[(n, triton.cdiv(c, BLOCK_C))](
-            q, q.stride(0), q.stride(1), weights, weights.stride(0), cache, loc, loc.stride(0),
-            valid, valid.stride(0), out, n_heads, c, cache.shape[0] * page_size,
+            q, q.stride(0), q.stride(1), weights, weights.stride(0), float(weight_scale), cache,
+            loc, loc.stride(0), valid, valid.stride(0), out, n_heads, c, cache.shape[0] * page_size,
             PAGE_SIZE=page_size, FP8=fp8, BF16=bf16, HEAD_BLOCK=head_block(n_heads),
             BLOCK_C=BLOCK_C, D_CHUNK=D_CHUNK, DOT_BF16=bf16 and not interpreted, **LAUNCH_OPTIONS)
     return out
@@ -117,8 +122,8 @@ def indexer_scores_triton(q: torch.Tensor, weights: torch.Tensor, cache: torch.T
 
 def indexer_scores_shared_triton(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor,
                                  loc: torch.Tensor, valid: torch.Tensor, page_size: int,
-                                 dialect: str) -> torch.Tensor:
+                                 weight_scale: float, dialect: str) -> torch.Tensor:
     """`indexer_scores_shared`'s triton backend: the same kernel, every query reading the one
     list loc [C] (a stride-0 view, nothing copied)."""
     return indexer_scores_triton(q, weights, cache, loc.unsqueeze(0).expand(q.shape[0], -1),
-                                 valid, page_size, dialect)
+                                 valid, page_size, weight_scale, dialect)

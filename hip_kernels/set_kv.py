@@ -25,8 +25,8 @@ from . import kv_layout as L
 from . import set_kv_ref
 from .backend import HIP_OPS, resolve
 from .checks import (check_cache, check_eps, check_finite, check_kv_cache, check_locations,
-                     check_kernel, check_page_size, check_slot_values, check_tensor,
-                     value_checks_enabled)
+                     check_kernel, check_page_size, check_positions, check_slot_values,
+                     check_tensor, value_checks_enabled)
 from .library import define_op, op
 from .numerics import DEFAULT_NUMERICS, REFERENCE_NUMERICS, StoreNumerics
 from .options import DEFAULT_KERNEL_OPTIONS, KernelOptions
@@ -79,21 +79,9 @@ def _check_norm_rope_args(kv, weight, eps, freqs_cis, positions, cache, page_siz
                      last_contiguous=True)
     check_tensor("freqs_cis", freqs_cis, dtype=torch.complex64, shape=(None, L.ROPE_DIM // 2),
                  device=dev)
-    check_tensor("positions", positions, dtypes=(torch.int32, torch.int64), shape=(kv.shape[0],),
-                 device=dev)
-    _check_positions(positions, freqs_cis.shape[0], kernel)
+    check_positions(positions, kv.shape[0], freqs_cis.shape[0], dev, kernel)
     check_kv_cache("cache", cache, page_size, dev)
     check_finite("kv", kv, kernel)
-
-
-def _check_positions(positions, max_pos, kernel):
-    """Kernels read freqs_cis[positions] unchecked, so every position must be a row of it
-    (a host sync: see value_checks_enabled())."""
-    if positions.numel() and value_checks_enabled(kernel):
-        lo, hi = torch.stack(torch.aminmax(positions)).tolist()
-        if lo < 0 or hi >= max_pos:
-            raise IndexError(f"positions holds {lo if lo < 0 else hi} but freqs_cis has {max_pos} "
-                             f"rows (valid: 0..{max_pos - 1})")
 
 
 def _check_q(q, n, dev):

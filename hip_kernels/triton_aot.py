@@ -252,9 +252,11 @@ def _attention_projection_variants():
     from . import grouped_out_proj_triton as G
     from . import indexer_query_triton as Q
 
-    query = {"q_ptr": "*bf16", "freq_ptr": "*fp32", "out_ptr": "*bf16", "n_heads": "i32:D"}
-    out_proj = {"o_ptr": "*bf16", "freq_ptr": "*fp32", "w_ptr": "*bf16", "out_ptr": "*bf16",
-                "n_tokens": "i32", "K": "i32:D", "R": "i32:D"}
+    query = {"q_ptr": "*bf16", "freq_ptr": "*fp32", "freq_stride": "i32:D", "pos_ptr": "*i64",
+             "out_ptr": "*bf16", "n_heads": "i32:D"}
+    out_proj = {"o_ptr": "*bf16", "freq_ptr": "*fp32", "freq_stride": "i32:D", "pos_ptr": "*i64",
+                "w_ptr": "*bf16", "out_ptr": "*bf16", "n_tokens": "i32", "K": "i32:D",
+                "R": "i32:D"}
 
     return {
         "indexer_query": (Q.indexer_query_kernel, query, {
@@ -275,9 +277,9 @@ def _indexer_scores_variants(dialect):
     def variant(bf16):
         w = "*bf16" if bf16 else "*fp32"
         sig = {"q_ptr": "*bf16", "q_stride_n": "i32:D", "q_stride_h": "i32:D", "w_ptr": w,
-               "w_stride_n": "i32:D", "cache_ptr": "*u8", "loc_ptr": "*i64", "loc_stride_n": "i32",
-               "valid_ptr": "*i1", "valid_stride_n": "i32", "out_ptr": w, "n_heads": "i32:D",
-               "n_rows": "i32", "num_slots": "i32"}
+               "w_stride_n": "i32:D", "w_scale": "fp32", "cache_ptr": "*u8", "loc_ptr": "*i64",
+               "loc_stride_n": "i32", "valid_ptr": "*i1", "valid_stride_n": "i32", "out_ptr": w,
+               "n_heads": "i32:D", "n_rows": "i32", "num_slots": "i32"}
         cex = {"PAGE_SIZE": 64, "FP8": fp8_constexprs(dialect)["FP8"], "BF16": bf16,
                "HEAD_BLOCK": S.head_block(64), "BLOCK_C": S.BLOCK_C, "D_CHUNK": S.D_CHUNK,
                "DOT_BF16": bf16}
@@ -289,7 +291,7 @@ def _indexer_scores_variants(dialect):
 
 def _decode_attention_variants(dialect):
     """The sparse decode attention as the model runs it on a GPU (bf16 q, bf16 dots; SWA pages
-    of 256, C4 pages of 64), in both numerics."""
+    of 256, C4 pages of 64; a window of 128 rows), in both numerics."""
     from . import decode_attention_triton as A
     from .triton_kv_row import fp8_type
 
@@ -304,7 +306,7 @@ def _decode_attention_variants(dialect):
         cex = {"SWA_PAGE": 256, "SWA_PAGE_BYTES": L.page_bytes(256), "CMP_PAGE": 64,
                "CMP_PAGE_BYTES": L.page_bytes(64), "FP8": fp8_type(dialect),
                "REFERENCE": reference, "BLOCK_H": A.BLOCK_H, "BLOCK_R": A.BLOCK_R,
-               "DOT_BF16": True}
+               "BLOCK_W": 128, "DOT_BF16": True}
         return A.sparse_decode_attention_kernel, sig, cex, A.LAUNCH_OPTIONS
 
     return {"sparse_decode_attention (reference)": variant(True),

@@ -89,12 +89,12 @@ class Attention(nn.Module):
         return sparse_attention_rows(q, kv, valid, self.attn_sink, self.softmax_scale, reference,
                                      window_width)
 
-    def project_out(self, o: torch.Tensor, freqs_cis: torch.Tensor,
+    def project_out(self, o: torch.Tensor, freqs_cis: torch.Tensor, positions: torch.Tensor,
                     kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
-        """[N, H, 512] -> [N, dim]: inverse RoPE + grouped wo_a (one op,
-        ``hip_kernels.grouped_out_proj``), wo_b."""
-        t = grouped_out_proj(o, freqs_cis, self.wo_a.weight, self.n_groups, self.rope_dim,
-                             kernel=kernel)
+        """[N, H, 512] -> [N, dim]: inverse RoPE (the table freqs_cis at the token positions)
+        + grouped wo_a (one op, ``hip_kernels.grouped_out_proj``), wo_b."""
+        t = grouped_out_proj(o, freqs_cis, positions, self.wo_a.weight, self.n_groups,
+                             self.rope_dim, kernel=kernel)
         partial = self.wo_b(t, kernel, out_dtype=partial_dtype(t.dtype, self.split))
         return self.sum_partial_output(partial).to(t.dtype)
 

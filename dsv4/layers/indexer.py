@@ -4,7 +4,8 @@
 simulation; keys come from the indexer's own ratio-4 compressor (head_dim 128, same treatment).
 ``score[t] = sum_h relu(q_h . k_t) * w_h`` with ``w = weights_proj(x) * 128^-0.5 * Hi^-0.5``; the
 top ``index_topk`` visible rows are kept (all of them when there are no more than that). The
-scores are computed over the paged key cache by ``hip_kernels.indexer_scores`` (one op).
+scores are computed over the paged key cache by ``hip_kernels.indexer_scores`` (one op), which
+applies the weights' scale (``weight_scale``) itself.
 In reference numerics (``reference=True``) the weights, the q.k products, the weighting and the
 head sum are each rounded to the model dtype (bf16), as the reference computes them; in fp32
 numerics they stay fp32.
@@ -35,6 +36,7 @@ class Indexer(nn.Module):
         super().__init__()
         self.split = split
         self.n_heads = cfg.index_n_heads
+        self.weight_scale = cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5
         self.n_local_heads = split.part(cfg.index_n_heads, "index_n_heads")
         self.head_dim = cfg.index_head_dim
         self.rope_dim = cfg.rope_head_dim
@@ -46,19 +48,19 @@ class Indexer(nn.Module):
         self.compressor = Compressor(cfg.dim, self.head_dim, self.rope_dim, self.ratio,
                                      cfg.norm_eps, rotate=True, device=device)
 
-    def project_q(self, qr: torch.Tensor, freqs_cis: torch.Tensor, reference: bool,
-                  kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
-        """Index queries [N, Hi, 128] (RoPE at the token positions, rotated, FP4-simulated: one
-        op after wq_b, ``hip_kernels.indexer_query``)."""
-        return indexer_query(self.wq_b(qr, kernel), freqs_cis, self.n_local_heads,
+    def project_q(self, qr: torch.Tensor, freqs_cis: torch.Tensor, positions: torch.Tensor,
+                  reference: bool, kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS
+                  ) -> torch.Tensor:
+        """Index queries [N, Hi, 128] (RoPE from the table freqs_cis at the token positions,
+        rotated, FP4-simulated: one op after wq_b, ``hip_kernels.indexer_query``)."""
+        return indexer_query(self.wq_b(qr, kernel), freqs_cis, positions, self.n_local_heads,
                              self.rope_dim, reference=reference, kernel=kernel)
 
     def head_weights(self, x: torch.Tensor, reference: bool) -> torch.Tensor:
-        """Per-head weights [N, Hi]: bf16 (the model dtype) in reference numerics, else fp32."""
+        """Per-head weights [N, Hi] before their scale (``weight_scale``, applied by the scores
+        op): bf16 (the model dtype) in reference numerics, else fp32."""
         w = self.weights_proj(x)
-        if not reference:
-            w = w.float()
-        return w * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
+        return w if reference else w.float()
 
     def select(self, scores: torch.Tensor, visible: torch.Tensor, options: Options,
                width: torch.Tensor | None = None) -> torch.Tensor:

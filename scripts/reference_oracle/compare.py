@@ -233,7 +233,7 @@ def instrument_ours(model, rec: Recorder):
 
     def head_weights_w(self, x, *rest, **kw):
         w = head_weights(self, x, *rest, **kw)
-        rec.put("idx.w", w[0])
+        rec.put("idx.w", w[0] * self.weight_scale)   # as the reference has them: scaled
         return w
 
     def scores_w(q, w, cache, loc, visible, page_size, **kw):

@@ -15,6 +15,8 @@ from hip_kernels.rotary import rope_tail
 from op_recorder import op_names
 
 TORCH = KernelOptions(backend="torch")
+UNCHECKED = KernelOptions(value_checks=False)   # no positions range check: one op, as the engine
+POS = torch.tensor([4, 0, 6, 2, 5, 1, 3])   # tokens' positions (rows of a RoPE table), in no order
 
 
 def freqs(n, rope, seed):
@@ -30,11 +32,13 @@ def randn(*shape, seed, scale=1.0, dtype=torch.bfloat16):
 @pytest.mark.parametrize("reference", [True, False])
 def test_indexer_query_is_the_unfused_chain(reference):
     n, h, d, rope = 5, 4, 128, 64
-    q, f = randn(n, h * d, seed=1, scale=2), freqs(n, rope, 2)
-    want = fp4_quant_dequant(hadamard_rotate(rope_tail(q.view(n, h, d), f, rope), reference))
-    got = indexer_query(q, f, h, rope, reference=reference, kernel=TORCH)
+    q, f, pos = randn(n, h * d, seed=1, scale=2), freqs(n + 4, rope, 2), POS[:n]
+    want = fp4_quant_dequant(hadamard_rotate(rope_tail(q.view(n, h, d), f[pos], rope),
+                                             reference))
+    got = indexer_query(q, f, pos, h, rope, reference=reference, kernel=TORCH)
     assert got.shape == (n, h, d) and torch.equal(got, want)
-    assert op_names(lambda: indexer_query(q, f, h, rope, reference=reference)) == [
+    assert op_names(lambda: indexer_query(q, f, pos, h, rope, reference=reference,
+                                          kernel=UNCHECKED)) == [
         "dsv4::indexer_query"]
 
 
@@ -54,30 +58,43 @@ def test_indexer_topk_keeps_the_visible_best():
 
 def test_grouped_out_proj_is_the_unfused_chain():
     n, h, d, g, r, rope = 3, 8, 64, 2, 16, 32
-    o, f = randn(n, h, d, seed=3), freqs(n, rope, 4)
+    o, f, pos = randn(n, h, d, seed=3), freqs(n + 4, rope, 4), POS[:n]
     w = randn(g * r, h * d // g, seed=5, scale=0.1)
-    x = rope_tail(o, f, rope, inverse=True).flatten(1).unflatten(-1, (g, -1))
+    x = rope_tail(o, f[pos], rope, inverse=True).flatten(1).unflatten(-1, (g, -1))
     want = torch.einsum("ngd,grd->ngr", x, w.view(g, r, -1)).flatten(1)
-    got = grouped_out_proj(o, f, w, g, rope, kernel=TORCH)
+    got = grouped_out_proj(o, f, pos, w, g, rope, kernel=TORCH)
     assert got.dtype == o.dtype and torch.equal(got, want)
-    assert op_names(lambda: grouped_out_proj(o, f, w, g, rope)) == ["dsv4::grouped_out_proj"]
+    assert op_names(lambda: grouped_out_proj(o, f, pos, w, g, rope, kernel=UNCHECKED)) == [
+        "dsv4::grouped_out_proj"]
 
 
 @pytest.mark.parametrize("call, match", [
-    (lambda: indexer_query(torch.zeros(2, 96, dtype=torch.bfloat16), freqs(2, 64, 0), 1, 64,
-                           reference=True), "power of two"),
+    (lambda: indexer_query(torch.zeros(2, 96, dtype=torch.bfloat16), freqs(2, 64, 0), POS[:2],
+                           1, 64, reference=True), "power of two"),
     # the heads already split ([N, n_heads, D]): the projection's flat rows are expected
-    (lambda: indexer_query(torch.zeros(2, 2, 128, dtype=torch.bfloat16), freqs(2, 64, 0), 2,
-                           64, reference=True), "q must be 2-D"),
-    (lambda: indexer_query(torch.zeros(2, 256, dtype=torch.bfloat16), freqs(3, 64, 0), 2, 64,
-                           reference=True), r"freqs_cis must have shape \[2, 32\]"),
+    (lambda: indexer_query(torch.zeros(2, 2, 128, dtype=torch.bfloat16), freqs(2, 64, 0),
+                           POS[:2], 2, 64, reference=True), "q must be 2-D"),
+    (lambda: indexer_query(torch.zeros(2, 256, dtype=torch.bfloat16), freqs(3, 62, 0), POS[:2],
+                           2, 64, reference=True), r"freqs_cis must have shape \[\*, 32\]"),
+    (lambda: indexer_query(torch.zeros(2, 256, dtype=torch.bfloat16), freqs(3, 64, 0), POS[:3],
+                           2, 64, reference=True), r"positions must have shape \[2\]"),
+    (lambda: indexer_query(torch.zeros(2, 256, dtype=torch.bfloat16), freqs(3, 64, 0),
+                           torch.tensor([0, 3]), 2, 64, reference=True),
+     r"positions holds 3 but freqs_cis has 3 rows"),
+    (lambda: grouped_out_proj(torch.zeros(2, 6, 64, dtype=torch.bfloat16), freqs(2, 32, 0),
+                              torch.tensor([0, -1]), torch.zeros(8, 192, dtype=torch.bfloat16),
+                              2, 32), r"positions holds -1 but freqs_cis has 2 rows"),
+    (lambda: grouped_out_proj(torch.zeros(2, 6, 64, dtype=torch.bfloat16), freqs(2, 32, 0),
+                              POS[:2].float(), torch.zeros(8, 192, dtype=torch.bfloat16), 2, 32),
+     "positions must have dtype"),
     (lambda: indexer_topk(torch.zeros(2, 4), torch.ones(2, 4, dtype=torch.bool), 5,
                           use_aiter=False), "k=5"),
     (lambda: grouped_out_proj(torch.zeros(2, 6, 64, dtype=torch.bfloat16), freqs(2, 32, 0),
-                              torch.zeros(8, 96, dtype=torch.bfloat16), 4, 32), "n_groups=4"),
+                              POS[:2], torch.zeros(8, 96, dtype=torch.bfloat16), 4, 32),
+     "n_groups=4"),
 ])
 def test_bad_arguments_are_refused(call, match):
-    with pytest.raises((TypeError, ValueError), match=match):
+    with pytest.raises((TypeError, ValueError, IndexError), match=match):
         call()
 
 

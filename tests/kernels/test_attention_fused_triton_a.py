@@ -2,7 +2,8 @@
 grouped_out_proj (inverse RoPE + grouped wo_a) against their torch references (the model's
 chains), under the interpreter on a CPU: indexer_query bit for bit in the reference numerics
 and wherever the values before a rounding are equal, grouped_out_proj to one rounding of o's
-dtype; which backend the wrappers pick."""
+dtype; which backend the wrappers pick. The RoPE factors are a table's rows at the tokens'
+positions (in no order), read by the ops."""
 
 import pytest
 import torch
@@ -33,6 +34,11 @@ def freqs(n, seed, angle=6.3):
                        torch.rand(n, ROPE // 2, generator=gen(seed)) * angle).to(DEV)
 
 
+def positions(n, rows, seed):
+    """n positions, rows of a table of `rows`, in no order (int32: the engine's dtype)."""
+    return torch.randint(0, rows, (n,), generator=gen(seed), dtype=torch.int32).to(DEV)
+
+
 def randn(*shape, seed, dtype, scale=1.0):
     return (torch.randn(*shape, generator=gen(seed)) * scale).to(dtype).to(DEV)
 
@@ -43,10 +49,14 @@ def test_indexer_query_gives_the_reference_bits_in_reference_numerics(d, heads, 
     """RoPE (products rounded, then one add), the same butterflies, the FP4 rounding from the
     bits: the same operations in the same order as the reference, so the same bits."""
     n = 3
-    q, f = randn(n, heads * d, seed=d, dtype=dtype, scale=2), freqs(n, seed=heads)
-    got = indexer_query(q, f, heads, ROPE, reference=True, kernel=TRITON)
+    q, f = randn(n, heads * d, seed=d, dtype=dtype, scale=2), freqs(n + 9, seed=heads)
+    pos = positions(n, n + 9, seed=d)
+    got = indexer_query(q, f, pos, heads, ROPE, reference=True, kernel=TRITON)
     assert got.shape == (n, heads, d) and got.dtype == dtype
-    assert torch.equal(got, indexer_query_ref(q, f, heads, ROPE, True))
+    want = fp4_quant_dequant(hadamard_rotate(
+        rope_tail(q.view(n, heads, d), f[pos.long()], ROPE), True))
+    assert torch.equal(indexer_query_ref(q, f, pos, heads, ROPE, True), want)
+    assert torch.equal(got, want)
 
 
 def fp4_block_scale(x):
@@ -63,9 +73,10 @@ def test_indexer_query_fp32_numerics_within_one_fp4_step():
     grid (4 x its block's scale: a flipped tie or a doubled block scale), and few of them
     (measured: none, here)."""
     n, heads, d = 3, 4, 128
-    q, f = randn(n, heads * d, seed=7, dtype=torch.bfloat16, scale=2), freqs(n, seed=8)
-    got = indexer_query(q, f, heads, ROPE, reference=False, kernel=TRITON)
-    want = indexer_query_ref(q, f, heads, ROPE, False)
+    q, f = randn(n, heads * d, seed=7, dtype=torch.bfloat16, scale=2), freqs(n + 9, seed=8)
+    pos = positions(n, n + 9, seed=9)
+    got = indexer_query(q, f, pos, heads, ROPE, reference=False, kernel=TRITON)
+    want = indexer_query_ref(q, f, pos, heads, ROPE, False)
     diff = (got.float() - want.float()).abs()
     assert bool((diff <= 4 * fp4_block_scale(want)).all())
     assert (diff > 0).float().mean().item() <= 0.01
@@ -101,7 +112,8 @@ def test_fp4_rounding_is_exact_at_ties_and_power_of_two_edges(reference):
     assert torch.equal(before_fp4, y.to(DEV))
     want = fp4_quant_dequant(before_fp4)
     assert not torch.equal(want, before_fp4)
-    got = indexer_query(q, f, heads, ROPE, reference=reference, kernel=TRITON)
+    got = indexer_query(q, f, torch.arange(n, device=DEV), heads, ROPE, reference=reference,
+                        kernel=TRITON)
     assert torch.equal(got, want)
 
 
@@ -112,10 +124,11 @@ def test_grouped_out_proj_within_one_rounding_of_the_reference(d, dtype):
     one rounding to o's dtype: bf16 within one bf16 ulp (rtol 2^-7; measured: equal here),
     fp32 within the order's rounding (rtol 1e-5; measured: 7e-7 at values near 3)."""
     n, heads, groups, rank = 3, 4, 2, 24      # rank 24: a masked output block
-    o, f = randn(n, heads, d, seed=d, dtype=dtype), freqs(n, seed=3)
+    o, f = randn(n, heads, d, seed=d, dtype=dtype), freqs(n + 9, seed=3)
+    pos = positions(n, n + 9, seed=4)
     w = randn(groups * rank, heads * d // groups, seed=5, dtype=dtype, scale=(heads * d) ** -0.5)
-    got = grouped_out_proj(o, f, w, groups, ROPE, kernel=TRITON)
-    want = grouped_out_proj_ref(o, f, w, groups, ROPE)
+    got = grouped_out_proj(o, f, pos, w, groups, ROPE, kernel=TRITON)
+    want = grouped_out_proj_ref(o, f, pos, w, groups, ROPE)
     assert got.shape == want.shape and got.dtype == dtype
     tol = 2.0 ** -7 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
@@ -125,10 +138,11 @@ def test_grouped_out_proj_inverse_rope_gives_the_reference_bits():
     """With identity weight blocks the output is the inverse-rotated o itself (each output one
     exact product): the kernel's RoPE roundings are the reference's, bit for bit."""
     n, heads, d, groups = 3, 2, 128, 2
-    o, f = randn(n, heads, d, seed=9, dtype=torch.bfloat16, scale=3), freqs(n, seed=10)
+    o, f = randn(n, heads, d, seed=9, dtype=torch.bfloat16, scale=3), freqs(n + 9, seed=10)
+    pos = positions(n, n + 9, seed=11)
     eye = torch.eye(heads * d // groups, dtype=torch.bfloat16, device=DEV).repeat(groups, 1)
-    got = grouped_out_proj(o, f, eye, groups, ROPE, kernel=TRITON)
-    assert torch.equal(got, rope_tail(o, f, ROPE, inverse=True).flatten(1))
+    got = grouped_out_proj(o, f, pos, eye, groups, ROPE, kernel=TRITON)
+    assert torch.equal(got, rope_tail(o, f[pos.long()], ROPE, inverse=True).flatten(1))
 
 
 def dispatched_backend(call):
@@ -139,17 +153,18 @@ def dispatched_backend(call):
 def test_the_wrappers_resolve_triton_when_asked_and_torch_on_a_cpu_by_default():
     if DEV.type != "cpu":
         pytest.skip("the CPU backend choice (the interpreter)")
-    q, f = randn(2, 2 * 64, seed=1, dtype=torch.bfloat16), freqs(2, seed=2)
-    assert dispatched_backend(lambda: indexer_query(q, f, 2, ROPE, reference=True,
+    q, f, pos = randn(2, 2 * 64, seed=1, dtype=torch.bfloat16), freqs(2, seed=2), torch.arange(2)
+    assert dispatched_backend(lambda: indexer_query(q, f, pos, 2, ROPE, reference=True,
                                                     kernel=TRITON)) == "triton"
-    assert dispatched_backend(lambda: indexer_query(q, f, 2, ROPE, reference=True)) == "torch"
+    assert dispatched_backend(lambda: indexer_query(q, f, pos, 2, ROPE,
+                                                    reference=True)) == "torch"
     o, w = randn(2, 2, 64, seed=3, dtype=torch.bfloat16), randn(32, 64, seed=4,
                                                               dtype=torch.bfloat16)
-    assert dispatched_backend(lambda: grouped_out_proj(o, f, w, 2, ROPE,
+    assert dispatched_backend(lambda: grouped_out_proj(o, f, pos, w, 2, ROPE,
                                                        kernel=TRITON)) == "triton"
-    assert dispatched_backend(lambda: grouped_out_proj(o, f, w, 2, ROPE)) == "torch"
+    assert dispatched_backend(lambda: grouped_out_proj(o, f, pos, w, 2, ROPE)) == "torch"
     # an odd head dim: the kernel's pairs would straddle the RoPE tail; the reference runs it
     odd, w_odd = randn(2, 2, 65, seed=5, dtype=torch.bfloat16), randn(32, 65, seed=6,
                                                                      dtype=torch.bfloat16)
-    assert dispatched_backend(lambda: grouped_out_proj(odd, f, w_odd, 2, ROPE,
+    assert dispatched_backend(lambda: grouped_out_proj(odd, f, pos, w_odd, 2, ROPE,
                                                        kernel=TRITON)) == "torch"

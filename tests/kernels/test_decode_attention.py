@@ -97,6 +97,27 @@ def test_triton_matches_torch(reference, n, heads, window, comp):
     assert_close(got, want)
 
 
+def test_the_kernel_walks_the_valid_window_rows_first():
+    """Reference numerics: the kernel walks a query's valid window rows first, each in its column
+    order (the reference's order: the 64-row blocks hold the reference's rows), with no sorted
+    copy made before it. Invalid rows scattered through the window give the bits of the same rows
+    sorted valid-first beforehand, and match the torch path."""
+    args = case(31, 3, 16, 128, 70)
+    holes = torch.rand(args["window_valid"].shape, generator=gen(32)) < 0.4
+    holes[:, -1] = False                                    # each query's own slot stays valid
+    valid = args["window_valid"] & ~holes
+    args.update(window_valid=valid, window_loc=torch.where(valid, args["window_loc"], 0))
+    order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)
+    sorted_args = dict(args, window_loc=args["window_loc"].gather(1, order),
+                       window_valid=valid.gather(1, order))
+    triton = kernel_options("triton")
+    got = A.sparse_decode_attention(**on(args, DEV), reference=True, kernel=triton).cpu()
+    want = A.sparse_decode_attention(**on(sorted_args, DEV), reference=True, kernel=triton).cpu()
+    assert torch.equal(got, want)
+    assert_close(got, A.sparse_decode_attention(**args, reference=True,
+                                                kernel=kernel_options("torch")))
+
+
 def test_the_numerics_modes_differ():
     """The reference rounding is really applied (the modes are not the same computation)."""
     args = case(5, 2, 16, 128, 70)

@@ -271,6 +271,7 @@ CACHE = torch.zeros(2, L.indexer_page_bytes(PAGE), dtype=torch.uint8)
     (dict(page_size=0), ValueError, "page_size must be an int >= 1"),
     (dict(q="q"), TypeError, "q must be a torch.Tensor"),
     (dict(kernel="torch"), TypeError, "kernel must be a hip_kernels.KernelOptions, got str"),
+    (dict(weight_scale=torch.tensor(0.5)), TypeError, "weight_scale must be a float"),
 ])
 def test_bad_arguments_are_named(bad, error, match):
     args = dict(q=torch.zeros(2, 8, 128), weights=torch.zeros(2, 8), cache=CACHE,
@@ -286,8 +287,34 @@ def test_the_meta_implementation_gives_the_shape_and_dtype():
         torch.empty(3, 8, 128, **meta), torch.empty(3, 8, dtype=torch.bfloat16, **meta),
         torch.empty(2, L.indexer_page_bytes(PAGE), dtype=torch.uint8, **meta),
         torch.empty(3, 11, dtype=torch.int64, **meta), torch.empty(3, 11, dtype=torch.bool, **meta),
-        PAGE, "ocp")
+        PAGE, 1.0, "ocp")
     assert out.shape == (3, 11) and out.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
+def test_the_weight_scale_is_applied_as_torch_multiplies_by_a_float(backend, w_dtype):
+    """weight_scale, applied inside the op (the model's 128^-0.5 * Hi^-0.5, no power of two for
+    Hi = 24), gives the bits of the weights multiplied by it beforehand (bf16: the fp32 product
+    rounded to bf16), in each backend, the shared op too."""
+    g = gen(41 + (w_dtype == torch.bfloat16))
+    cache = filled_cache(g)
+    q, w, loc, valid = queries(g, 3, 24, 70, w_dtype=w_dtype)
+    w = w * 24 ** 0.5                                   # unscaled, as weights_proj gives them
+    scale = L.INDEX_DIM ** -0.5 * 24 ** -0.5
+    if w_dtype == torch.bfloat16:                       # the product's rounding matters
+        assert not torch.equal((w * scale).float(), w.float() * scale)
+    kernel = kernel_for("ocp", backend)
+    args = [a.to(DEV) for a in (q, w, cache, loc, valid)]
+    want = indexer_scores(args[0], args[1] * scale, *args[2:], PAGE, kernel=kernel).cpu()
+    got = indexer_scores(*args, PAGE, weight_scale=scale, kernel=kernel).cpu()
+    assert torch.equal(got, want)
+    row, shared_valid = args[3][0], args[4]
+    want = indexer_scores_shared(args[0], args[1] * scale, args[2], row, shared_valid, PAGE,
+                                 kernel=kernel).cpu()
+    got = indexer_scores_shared(*args[:3], row, shared_valid, PAGE, weight_scale=scale,
+                                kernel=kernel).cpu()
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])

@@ -267,11 +267,11 @@ def test_native_ranks_parts_add_up_to_the_whole_layer(tmp_path, monkeypatch):
         q = layer.attn.project_q(x)[0]
         assert torch.equal(torch.cat([p.layers[i].attn.project_q(x)[0] for p in parts], 1), q)
         o = q.float().tanh().bfloat16()
-        freqs = whole.layer_freqs(layer)[torch.arange(5)]
-        want = layer.attn.project_out(o, freqs)
+        freqs, pos = whole.layer_freqs(layer), torch.arange(5)
+        want = layer.attn.project_out(o, freqs, pos)
         partials.clear()
         for r, p in enumerate(parts):
-            p.layers[i].attn.project_out(o[:, 2 * r:2 * r + 2], freqs)
+            p.layers[i].attn.project_out(o[:, 2 * r:2 * r + 2], freqs, pos)
         assert [t.dtype for t in partials] == [torch.float32] * 2
         got = (partials[0] + partials[1]).to(want.dtype)
         torch.testing.assert_close(got, want, atol=0, rtol=2 ** -7)   # one bf16 ulp
