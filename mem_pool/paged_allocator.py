@@ -174,15 +174,16 @@ class PagedAllocator:
             raise ValueError(f"{name} continues one page from two rows; each would take the "
                              "same next location")
 
-    def hand_out(self, locs: torch.Tensor) -> torch.Tensor:
-        """Record host locations as handed out (each page's fill) and return them on device.
-        `last_handed_out` keeps the host copy: a caller keeping host-side block tables reads it
-        instead of copying the result back from the device."""
+    def hand_out(self, locs: torch.Tensor, to_device: bool = True) -> torch.Tensor:
+        """Record host locations as handed out (each page's fill) and return them on device
+        (to_device=False: the host locations themselves, for a caller that copies them to the
+        device with its other inputs). `last_handed_out` keeps the host copy: a caller keeping
+        host-side block tables reads it instead of copying the result back from the device."""
         self.last_handed_out = locs
         if locs.numel():
             self._page_fill.scatter_reduce_(0, locs // self.page_size,
                                             locs % self.page_size + 1, "amax")
-        return to_device_versioned(locs, self.device)
+        return to_device_versioned(locs, self.device) if to_device else locs
 
     def free_pages(self, pages: torch.Tensor, name: str = "pages") -> None:
         pages = torch.unique(pages)
@@ -226,8 +227,9 @@ class PagedAllocator:
             return None
         return self.hand_out(plan.locations(pages, self.page_size))
 
-    def alloc_decode(self, seq_lens, last_loc):
-        """One location per request for position seq_lens[i]-1, or None."""
+    def alloc_decode(self, seq_lens, last_loc, to_device: bool = True):
+        """One location per request for position seq_lens[i]-1, or None (to_device: see
+        hand_out)."""
         new_page, last = plan_decode(seq_lens, last_loc, self.page_size)
         self.check_continues("last_loc", last[~new_page])
         pages = self.alloc_pages(int(new_page.sum()))
@@ -235,7 +237,7 @@ class PagedAllocator:
             return None
         locs = last + 1
         locs[new_page] = pages * self.page_size
-        return self.hand_out(locs)
+        return self.hand_out(locs, to_device)
 
     def free(self, free_index) -> None:
         """Free every page that holds a location of free_index."""

@@ -129,7 +129,9 @@ class SWATokenToKVPoolAllocator:
         self._mapping_changed()
         return self.full_attn_allocator.hand_out(plan.locations(taken[0], self.page_size))
 
-    def alloc_decode(self, seq_lens, last_loc):
+    def alloc_decode(self, seq_lens, last_loc, to_device: bool = True):
+        """One location per request for position seq_lens[i]-1, or None; to_device=False
+        returns the host locations (`PagedAllocator.hand_out`)."""
         new_page, last = plan_decode(seq_lens, last_loc, self.page_size)
         self._check_continued(last[~new_page])
         k = int(new_page.sum())
@@ -140,7 +142,7 @@ class SWATokenToKVPoolAllocator:
         self._mapping_changed()
         locs = last + 1
         locs[new_page] = taken[0] * self.page_size
-        return self.full_attn_allocator.hand_out(locs)
+        return self.full_attn_allocator.hand_out(locs, to_device)
 
     def alloc_extend_swa_tail(self, seq_len: int, swa_tail_len: int):
         """A new request of seq_len tokens with SWA slots only for its last swa_tail_len tokens
