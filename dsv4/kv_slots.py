@@ -176,9 +176,8 @@ class KVSlots:
             raise ValueError("running must hold at least one request")
         for i, req in enumerate(running):
             self._slot("running", i, req)
-        lens = torch.tensor([r.seq_len + 1 for r in running])
-        locs = self.allocator.alloc_decode(lens, torch.tensor([r.locs[-1] for r in running]),
-                                           to_device=False)
+        locs = self.allocator.alloc_decode([r.seq_len + 1 for r in running],
+                                           [r.locs[-1] for r in running], to_device=False)
         if locs is None:
             return None
         host = locs.tolist()
