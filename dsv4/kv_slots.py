@@ -180,11 +180,10 @@ class KVSlots:
                                            [r.locs[-1] for r in running], to_device=False)
         if locs is None:
             return None
-        host = locs.tolist()
-        for req, loc in zip(running, host):
+        for req, loc in zip(running, locs):
             req.locs.append(loc)
             req.seq_len += 1
-        return host
+        return locs
 
     def write_grown(self, slots: torch.Tensor, positions: torch.Tensor, locs: torch.Tensor,
                     highest: int) -> None:

@@ -193,27 +193,26 @@ class PagedAllocator:
             raise ValueError(f"{name} continues one page from two rows; each would take the "
                              "same next location")
 
-    def hand_out(self, locs: torch.Tensor, to_device: bool = True) -> torch.Tensor:
-        """Record host locations as handed out (each page's fill) and return them on device
-        (to_device=False: the host locations themselves, for a caller that copies them to the
-        device with its other inputs). `last_handed_out` keeps the host copy: a caller keeping
-        host-side block tables reads it instead of copying the result back from the device."""
+    def hand_out(self, locs: torch.Tensor) -> torch.Tensor:
+        """Record host locations as handed out (each page's fill) and return them on device.
+        `last_handed_out` keeps the host copy: a caller keeping host-side block tables reads it
+        instead of copying the result back from the device."""
         self.last_handed_out = locs
         if locs.numel():
             self._page_fill.scatter_reduce_(0, locs // self.page_size,
                                             locs % self.page_size + 1, "amax")
-        return to_device_versioned(locs, self.device) if to_device else locs
+        return to_device_versioned(locs, self.device)
 
-    def hand_out_rows(self, locs: list[int], to_device: bool = True) -> torch.Tensor:
+    def hand_out_rows(self, locs: list[int], to_device: bool = True):
         """hand_out of a decode step's few locations, given as host ints: each page's fill
-        raised one by one (no tensor op), then the host tensor (and its device copy)."""
+        raised one by one (no tensor op); returns them on device, or (to_device=False) the
+        host ints themselves, for a caller that copies them with its other step inputs."""
         page_fill = self._page_fill.numpy()
         for loc in locs:
             page, filled = divmod(loc, self.page_size)
             page_fill[page] = max(int(page_fill[page]), filled + 1)
         self.last_handed_out = torch.tensor(locs, dtype=torch.int64)
-        out = self.last_handed_out
-        return to_device_versioned(out, self.device) if to_device else out
+        return to_device_versioned(self.last_handed_out, self.device) if to_device else locs
 
     def free_pages(self, pages: torch.Tensor, name: str = "pages") -> None:
         pages = torch.unique(pages)
@@ -260,7 +259,7 @@ class PagedAllocator:
 
     def alloc_decode(self, seq_lens, last_loc, to_device: bool = True):
         """One location per request for position seq_lens[i]-1, or None (to_device: see
-        hand_out)."""
+        hand_out_rows)."""
         new_page, last = plan_decode(seq_lens, last_loc, self.page_size)
         self.check_continues("last_loc", [loc for new, loc in zip(new_page, last) if not new])
         pages = self.alloc_pages(sum(new_page))

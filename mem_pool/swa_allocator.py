@@ -133,7 +133,7 @@ class SWATokenToKVPoolAllocator:
 
     def alloc_decode(self, seq_lens, last_loc, to_device: bool = True):
         """One location per request for position seq_lens[i]-1, or None; to_device=False
-        returns the host locations (`PagedAllocator.hand_out`). A step that opens no page
+        returns them as host ints (`PagedAllocator.hand_out_rows`). A step that opens no page
         changes no map."""
         new_page, last = plan_decode(seq_lens, last_loc, self.page_size)
         self._check_continued([loc for new, loc in zip(new_page, last) if not new])
