@@ -8,10 +8,11 @@ slots follow it). Its operations move a ``Request``'s hold: ``take`` gives reque
 from a page boundary and a slot each, their rows written in the table; ``extend`` gives a
 request that holds a slot its next positions (a prompt's next chunk); ``grow`` gives every
 running request its next location, which ``write_grown`` writes in the table from the step's
-device inputs; ``release_out_of_window`` frees the SWA pages that left the window; ``release`` gives back pages and slot; ``host_copy``, ``host_rows`` and
-``load_host_copy`` move a request's KV to the host and back (retraction, the prefix cache). The
-request keeps its side on the host: ``locs`` (its full location by position), ``slot`` and
-``swa_freed_to`` (positions before it have no SWA page), which these operations update.
+device inputs; ``release_out_of_window`` frees the SWA pages that left the window; ``release``
+gives back pages and slot; ``host_copy``, ``host_rows`` and ``load_host_copy`` move a
+request's KV to the host and back (retraction, the prefix cache). The request keeps its side on
+the host: ``locs`` (its full location by position), ``slot`` and ``swa_freed_to`` (positions
+before it have no SWA page), which these operations update.
 """
 
 from __future__ import annotations
