@@ -116,7 +116,7 @@ def build_attention_metadata(batch: ForwardBatch, req_to_token: torch.Tensor,
     rows_of_token = None if decode else batch.token_request_rows()
     first_new = (None if decode else
                  (batch.seq_lens.long() - batch.extend_seq_lens.long())[rows_of_token])
-    tokens = [_plan_tokens(batch, ratio) for ratio in ratios]
+    tokens = _plan_tokens(batch, list(ratios))
     n_rows = [_plan_rows(batch, ratio, None if max_rows is None else max_rows.get(ratio))
               for ratio in ratios]
     out = attention_plan(batch.positions, batch.req_pool_indices, batch.seq_lens, rows_of_token,
@@ -134,17 +134,20 @@ def build_attention_metadata(batch: ForwardBatch, req_to_token: torch.Tensor,
     return AttentionMetadata(pos, out[0], out[1], plans, swa_write_loc, width)
 
 
-def _plan_tokens(batch: ForwardBatch, ratio: int) -> torch.Tensor | None:
-    """The candidate tokens of a ratio's plan: those closing a window where the positions are
-    known on the host (or in an extend); None in a decode step without them (every token: a
-    captured step's fixed shape)."""
+def _plan_tokens(batch: ForwardBatch, ratios: list[int]) -> list[torch.Tensor | None]:
+    """The candidate tokens of each ratio's plan: those closing a window where the positions
+    are known on the host (every ratio's in one host -> device copy, then views), or in an
+    extend; None in a decode step without them (every token: a captured step's fixed shape)."""
     if batch.host_positions is not None:
-        return torch.tensor([i for i, p in enumerate(batch.host_positions)
-                             if (p + 1) % ratio == 0], dtype=torch.int64,
-                            device=batch.positions.device)
+        closing = [[i for i, p in enumerate(batch.host_positions) if (p + 1) % ratio == 0]
+                   for ratio in ratios]
+        packed = torch.tensor([i for c in closing for i in c], dtype=torch.int64,
+                              device=batch.positions.device)
+        return list(packed.split([len(c) for c in closing]))
     if batch.is_decode:
-        return None
-    return torch.nonzero((batch.positions.long() + 1) % ratio == 0).flatten()
+        return [None] * len(ratios)
+    return [torch.nonzero((batch.positions.long() + 1) % ratio == 0).flatten()
+            for ratio in ratios]
 
 
 def _plan_rows(batch: ForwardBatch, ratio: int, n_rows: int | None) -> int:

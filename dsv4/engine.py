@@ -296,21 +296,30 @@ class Engine:
         locs = self._alloc_decode(q)
         if locs is None:  # the one running request could not grow: it failed on its own
             return
-        running, dev = q.running, self.device
-        lens = torch.tensor([r.seq_len for r in running], device=dev)
-        batch = ForwardBatch(ForwardMode.DECODE,
-                             input_ids=torch.tensor([r.next_input for r in running], device=dev),
-                             positions=lens - 1, out_cache_loc=locs,
-                             req_pool_indices=torch.tensor([r.slot for r in running], device=dev),
-                             seq_lens=lens, max_seq_len=max(r.seq_len for r in running),
-                             host_positions=[r.seq_len - 1 for r in running])
+        batch = self._decode_batch(q.running, locs)
+        self.slots.write_grown(batch.req_pool_indices, batch.positions, batch.out_cache_loc,
+                               batch.max_seq_len - 1)
         logits = self._decode_forward(batch)
-        self.stats.decode_tokens += len(running)
-        self._finish_step(list(running), running, logits, return_logits)
+        self.stats.decode_tokens += len(q.running)
+        self._finish_step(list(q.running), q.running, logits, return_logits)
         self.stats.decode_step_s.append(time.perf_counter() - start)
 
-    def _alloc_decode(self, q: Scheduler) -> torch.Tensor | None:
-        """One more location per running request (``KVSlots.grow``); requeues the latest
+    def _decode_batch(self, running: list[Request], locs: list[int]) -> ForwardBatch:
+        """The decode step's inputs, all known on the host, in one host -> device copy: a
+        [5, B] int64 tensor whose rows are the batch's tensors (views)."""
+        positions = [r.seq_len - 1 for r in running]
+        host = [[r.next_input for r in running], positions, [r.seq_len for r in running],
+                [r.slot for r in running], locs]
+        with torch.inference_mode(False):  # a versioned tensor: the SWA location cache's key
+            rows = torch.tensor(host, dtype=torch.int64, device=self.device)
+        input_ids, positions_d, seq_lens, slots, out_cache_loc = rows.unbind(0)
+        return ForwardBatch(ForwardMode.DECODE, input_ids=input_ids, positions=positions_d,
+                            out_cache_loc=out_cache_loc, req_pool_indices=slots,
+                            seq_lens=seq_lens, max_seq_len=max(positions) + 1,
+                            host_positions=positions)
+
+    def _alloc_decode(self, q: Scheduler) -> list[int] | None:
+        """One more host location per running request (``KVSlots.grow``); requeues the latest
         prefilling prompt, else retracts the latest admitted running request, until they fit
         (None: the last one alone did not fit and failed)."""
         running = q.running

@@ -7,11 +7,12 @@ its two-sided allocator (``mem_pool``, sized from a token count or a byte budget
 slots follow it). Its operations move a ``Request``'s hold: ``take`` gives requests fresh pages
 from a page boundary and a slot each, their rows written in the table; ``extend`` gives a
 request that holds a slot its next positions (a prompt's next chunk); ``grow`` gives every
-running request its next location; ``release_out_of_window`` frees the SWA pages that left the
-window; ``release`` gives back pages and slot; ``host_copy``, ``host_rows`` and
-``load_host_copy`` move a request's KV to the host and back (retraction, the prefix cache). The
-request keeps its side on the host: ``locs`` (its full location by position), ``slot`` and
-``swa_freed_to`` (positions before it have no SWA page), which these operations update.
+running request its next location, which ``write_grown`` writes in the table from the step's
+device inputs; ``release_out_of_window`` frees the SWA pages that left the window; ``release``
+gives back pages and slot; ``host_copy``, ``host_rows`` and ``load_host_copy`` move a
+request's KV to the host and back (retraction, the prefix cache). The request keeps its side on
+the host: ``locs`` (its full location by position), ``slot`` and ``swa_freed_to`` (positions
+before it have no SWA page), which these operations update.
 """
 
 from __future__ import annotations
@@ -167,24 +168,29 @@ class KVSlots:
             torch.tensor([self._slot("reqs", i, r) for i, r in enumerate(reqs)],
                          device=self.device))
 
-    def grow(self, running: list[Request]) -> torch.Tensor | None:
-        """One more location for every running request (position seq_len), written in its table
-        row and appended to its locs, seq_len counting it: the device locations. None, with
+    def grow(self, running: list[Request]) -> list[int] | None:
+        """One more location for every running request (position seq_len), appended to its
+        locs, seq_len counting it: the host locations, which the caller copies to the device
+        with the step's other inputs and writes in the table (``write_grown``). None, with
         nothing taken, when the pool is short."""
         if not running:
             raise ValueError("running must hold at least one request")
         for i, req in enumerate(running):
             self._slot("running", i, req)
-        lens = torch.tensor([r.seq_len + 1 for r in running])
-        locs = self.allocator.alloc_decode(lens, torch.tensor([r.locs[-1] for r in running]))
+        locs = self.allocator.alloc_decode([r.seq_len + 1 for r in running],
+                                           [r.locs[-1] for r in running], to_device=False)
         if locs is None:
             return None
-        self.req_to_token_pool.write_positions(torch.tensor([r.slot for r in running]),
-                                               lens - 1, locs)
-        for req, loc in zip(running, self.allocator.last_handed_out.tolist()):
+        for req, loc in zip(running, locs):
             req.locs.append(loc)
             req.seq_len += 1
         return locs
+
+    def write_grown(self, slots: torch.Tensor, positions: torch.Tensor, locs: torch.Tensor,
+                    highest: int) -> None:
+        """The table entries of a ``grow``: req_to_token[slots[i], positions[i]] = locs[i], in
+        one indexed write, from device tensors (highest: the largest position, a host int)."""
+        self.req_to_token_pool.write_positions(slots, positions, locs, highest)
 
     def release_out_of_window(self, req: Request, tokens: int) -> None:
         """Free the SWA pages of the whole pages that left the window once the request holds

@@ -16,6 +16,7 @@ import logging
 import torch
 from torch import nn
 
+from hip_kernels.options import KernelOptions
 from mem_pool.kv_cache_spec import STATE_RING
 
 from .attention_metadata import AttentionMetadata, build_attention_metadata
@@ -181,19 +182,20 @@ class DeepseekV4Model(nn.Module):
                       ring_capture)
         if not all_logits and not batch.is_decode:
             x = x[torch.cumsum(batch.extend_seq_lens.long(), 0) - 1]
-        return self.logits(x)
+        return self.logits(x, options.kernel)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[N] token ids -> hidden copies [N, hc, dim]."""
         h = self.embed(input_ids.long())
         return h.unsqueeze(1).repeat(1, self.config.hc_mult, 1)
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """Hidden copies [N, hc, dim] -> fp32 logits [N, vocab]."""
+    def logits(self, x: torch.Tensor, kernel: KernelOptions) -> torch.Tensor:
+        """Hidden copies [N, hc, dim] -> fp32 logits [N, vocab]; the final norm runs on the
+        step's kernel backend, as every norm of the layers does."""
         c = self.config
         y = mhc.hc_head(x, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, c.norm_eps,
                         c.hc_eps)
-        return self.head(self.norm(y).float())
+        return self.head(self.norm(y, kernel).float())
 
 
 def resolve_weights(config: ModelConfig, weights: str | None, dtype: torch.dtype) -> str:

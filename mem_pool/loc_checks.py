@@ -27,6 +27,15 @@ def host_int64(name: str, value: torch.Tensor | Sequence[int] | int) -> torch.Te
     return t
 
 
+def host_ints(name: str, value: torch.Tensor | Sequence[int]) -> list[int]:
+    """`value` (1-D) as a list of ints: a list of ints as it is, a tensor read once (a device
+    tensor costs one host sync)."""
+    if isinstance(value, (list, tuple)) and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return list(value)
+    return host_int64(name, value).tolist()
+
+
 def check_loc_tensor(name: str, loc, device: torch.device) -> None:
     """A location tensor: int32/int64, on `device`."""
     if not isinstance(loc, torch.Tensor):

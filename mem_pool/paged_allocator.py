@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .loc_checks import check_range, host_int64
+from .loc_checks import check_range, host_int64, host_ints
 
 
 def ceil_div(a, b):
@@ -91,23 +91,31 @@ def plan_extend(prefix_lens, seq_lens, last_loc, extend_num_tokens: int,
     return plan
 
 
-def plan_decode(seq_lens, last_loc, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows that start a new page, last_loc) for one new token per request."""
-    s = host_int64("seq_lens", seq_lens)
-    last = host_int64("last_loc", last_loc)
-    if s.numel() != last.numel():
+def plan_decode(seq_lens, last_loc, page_size: int) -> tuple[list[bool], list[int]]:
+    """(rows that start a new page, last_loc) for one new token per request, as host lists (a
+    decode step's few rows: plain ints, no tensor op)."""
+    s = host_ints("seq_lens", seq_lens)
+    last = host_ints("last_loc", last_loc)
+    if len(s) != len(last):
         raise ValueError(f"seq_lens and last_loc must have one entry per request, got "
-                         f"{s.numel()} and {last.numel()}")
-    if (s < 1).any():
+                         f"{len(s)} and {len(last)}")
+    if s and min(s) < 1:
         raise ValueError(f"seq_lens (lengths including the new token) must be >= 1, got "
-                         f"{int(s.min())}")
-    new_page = (s - 1) % page_size == 0
-    bad = ~new_page & ((last + 1) % page_size != (s - 1) % page_size)
-    if bad.any():
-        i = int(torch.nonzero(bad)[0])
-        raise ValueError(f"last_loc[{i}]={int(last[i])} must sit at in-page offset "
-                         f"(seq_lens[{i}] - 2) % page_size = {(int(s[i]) - 2) % page_size}")
+                         f"{min(s)}")
+    new_page = [(n - 1) % page_size == 0 for n in s]
+    for i, (n, loc, new) in enumerate(zip(s, last, new_page)):
+        if not new and (loc + 1) % page_size != (n - 1) % page_size:
+            raise ValueError(f"last_loc[{i}]={loc} must sit at in-page offset "
+                             f"(seq_lens[{i}] - 2) % page_size = {(n - 2) % page_size}")
     return new_page, last
+
+
+def decode_locations(new_page: list[bool], last: list[int], pages: list[int],
+                     page_size: int) -> list[int]:
+    """Each row's next location: its page's next slot, or the start of its new page (pages
+    taken in row order)."""
+    fresh = iter(pages)
+    return [next(fresh) * page_size if new else loc + 1 for new, loc in zip(new_page, last)]
 
 
 class PagedAllocator:
@@ -147,7 +155,8 @@ class PagedAllocator:
         if k > self._free_pages.numel():
             return None
         pages, self._free_pages = self._free_pages[:k], self._free_pages[k:]
-        self._page_free[pages] = False
+        if k:
+            self._page_free[pages] = False
         return pages
 
     def check_in_use(self, name: str, pages: torch.Tensor) -> None:
@@ -158,19 +167,29 @@ class PagedAllocator:
             raise ValueError(f"{name} refers to page {int(pages[free][0])}, which is not "
                              "allocated (already freed or never handed out)")
 
-    def check_continues(self, name: str, last_loc: torch.Tensor) -> None:
-        """Each location of last_loc is the last one handed out on its allocated page, and no
-        page is continued twice: otherwise the new locations would already be someone's."""
-        pages = last_loc // self.page_size
-        self.check_in_use(name, pages)
-        stale = self._page_fill[pages] != last_loc % self.page_size + 1
-        if stale.any():
-            i = int(torch.nonzero(stale)[0])
-            taken = int(self._page_fill[pages[i]])
-            raise ValueError(f"{name}[{i}]={int(last_loc[i])} is not the last location handed out "
-                             f"on page {int(pages[i])} (offsets 0..{taken - 1} are taken): its "
-                             "next location already belongs to an earlier allocation")
-        if torch.unique(pages).numel() != pages.numel():
+    def check_continues(self, name: str, last_loc: list[int]) -> None:
+        """Each location of last_loc (host ints) is the last one handed out on its allocated
+        page, and no page is continued twice: otherwise the new locations would already be
+        someone's."""
+        if not last_loc:
+            return
+        pages = [loc // self.page_size for loc in last_loc]
+        if min(pages) < 1 or max(pages) > self.num_pages:
+            bad = min(pages) if min(pages) < 1 else max(pages)
+            raise IndexError(f"{name} (as pages) holds {bad}; valid values are "
+                             f"1..{self.num_pages}")
+        page_free, page_fill = self._page_free.numpy(), self._page_fill.numpy()
+        for page in pages:
+            if page_free[page]:
+                raise ValueError(f"{name} refers to page {page}, which is not allocated "
+                                 "(already freed or never handed out)")
+        for i, (loc, page) in enumerate(zip(last_loc, pages)):
+            taken = int(page_fill[page])
+            if taken != loc % self.page_size + 1:
+                raise ValueError(f"{name}[{i}]={loc} is not the last location handed out on "
+                                 f"page {page} (offsets 0..{taken - 1} are taken): its next "
+                                 "location already belongs to an earlier allocation")
+        if len(set(pages)) != len(pages):
             raise ValueError(f"{name} continues one page from two rows; each would take the "
                              "same next location")
 
@@ -183,6 +202,17 @@ class PagedAllocator:
             self._page_fill.scatter_reduce_(0, locs // self.page_size,
                                             locs % self.page_size + 1, "amax")
         return to_device_versioned(locs, self.device)
+
+    def hand_out_rows(self, locs: list[int], to_device: bool = True):
+        """hand_out of a decode step's few locations, given as host ints: each page's fill
+        raised one by one (no tensor op); returns them on device, or (to_device=False) the
+        host ints themselves, for a caller that copies them with its other step inputs."""
+        page_fill = self._page_fill.numpy()
+        for loc in locs:
+            page, filled = divmod(loc, self.page_size)
+            page_fill[page] = max(int(page_fill[page]), filled + 1)
+        self.last_handed_out = torch.tensor(locs, dtype=torch.int64)
+        return to_device_versioned(self.last_handed_out, self.device) if to_device else locs
 
     def free_pages(self, pages: torch.Tensor, name: str = "pages") -> None:
         pages = torch.unique(pages)
@@ -220,22 +250,24 @@ class PagedAllocator:
     def alloc_extend(self, prefix_lens, seq_lens, last_loc, extend_num_tokens: int):
         """Locations of positions prefix_lens[i]..seq_lens[i]-1 of each request, or None."""
         plan = plan_extend(prefix_lens, seq_lens, last_loc, extend_num_tokens, self.page_size)
-        self.check_continues("last_loc", plan.last_loc[plan.continued_rows(self.page_size)])
+        self.check_continues("last_loc",
+                             plan.last_loc[plan.continued_rows(self.page_size)].tolist())
         pages = self.alloc_pages(plan.num_new_pages)
         if pages is None:
             return None
         return self.hand_out(plan.locations(pages, self.page_size))
 
-    def alloc_decode(self, seq_lens, last_loc):
-        """One location per request for position seq_lens[i]-1, or None."""
+    def alloc_decode(self, seq_lens, last_loc, to_device: bool = True):
+        """One location per request for position seq_lens[i]-1, or None (to_device: see
+        hand_out_rows)."""
         new_page, last = plan_decode(seq_lens, last_loc, self.page_size)
-        self.check_continues("last_loc", last[~new_page])
-        pages = self.alloc_pages(int(new_page.sum()))
+        self.check_continues("last_loc", [loc for new, loc in zip(new_page, last) if not new])
+        pages = self.alloc_pages(sum(new_page))
         if pages is None:
             return None
-        locs = last + 1
-        locs[new_page] = pages * self.page_size
-        return self.hand_out(locs)
+        locs = decode_locations(new_page, last, pages.tolist() if pages.numel() else [],
+                                self.page_size)
+        return self.hand_out_rows(locs, to_device)
 
     def free(self, free_index) -> None:
         """Free every page that holds a location of free_index."""

@@ -41,11 +41,11 @@ class ReqToTokenPool:
         self.req_to_token[slot, start:end] = locs.to(torch.int32)
 
     def write_positions(self, slots: torch.Tensor, positions: torch.Tensor,
-                        locs: torch.Tensor) -> None:
-        """req_to_token[slots[i], positions[i]] = locs[i] in one op (slots and positions: host
-        int64 tensors, so the bound check costs no sync)."""
-        if positions.numel() and int(positions.max()) >= self.max_context_len:
-            raise ValueError(f"positions up to {int(positions.max())} exceed "
+                        locs: torch.Tensor, highest: int) -> None:
+        """req_to_token[slots[i], positions[i]] = locs[i] in one op. slots, positions and locs
+        are on the table's device; highest is the largest position as a host int (the caller
+        knows it), so the bound check costs no sync."""
+        if highest >= self.max_context_len:
+            raise ValueError(f"positions up to {highest} exceed "
                              f"max_context_len={self.max_context_len}")
-        dev = self.req_to_token.device
-        self.req_to_token[slots.to(dev), positions.to(dev)] = locs.to(dev, torch.int32)
+        self.req_to_token[slots, positions] = locs.to(torch.int32)

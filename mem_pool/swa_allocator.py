@@ -15,7 +15,8 @@ import logging
 import torch
 
 from .loc_checks import host_int64, whole_pages
-from .paged_allocator import PagedAllocator, ceil_div, check_need_size, plan_decode, plan_extend
+from .paged_allocator import (PagedAllocator, ceil_div, check_need_size, decode_locations,
+                              plan_decode, plan_extend)
 from .swa_window import pages_out_of_window
 
 logger = logging.getLogger(__name__)
@@ -97,14 +98,15 @@ class SWATokenToKVPoolAllocator:
         return (self.full_attn_allocator.alloc_pages(n_full),
                 self.swa_attn_allocator.alloc_pages(n_swa))
 
-    def _check_continued(self, last_loc: torch.Tensor) -> None:
-        """The pages an allocation continues are allocated and still have their SWA page."""
-        pages = last_loc // self.page_size
+    def _check_continued(self, last_loc: list[int]) -> None:
+        """The pages an allocation continues (last_loc: host ints) are allocated and still have
+        their SWA page."""
         self.full_attn_allocator.check_continues("last_loc", last_loc)
-        evicted = self._swa_page_of_full[pages] == 0
-        if evicted.any():
-            raise ValueError(f"last_loc={int(last_loc[evicted][0])} is on a page whose SWA page "
-                             "was freed; an allocation cannot continue it")
+        swa_page_of_full = self._swa_page_of_full.numpy()
+        for loc in last_loc:
+            if swa_page_of_full[loc // self.page_size] == 0:
+                raise ValueError(f"last_loc={loc} is on a page whose SWA page was freed; an "
+                                 "allocation cannot continue it")
 
     # ---- allocation -----------------------------------------------------------------------
 
@@ -121,7 +123,7 @@ class SWATokenToKVPoolAllocator:
 
     def alloc_extend(self, prefix_lens, seq_lens, last_loc, extend_num_tokens: int):
         plan = plan_extend(prefix_lens, seq_lens, last_loc, extend_num_tokens, self.page_size)
-        self._check_continued(plan.last_loc[plan.continued_rows(self.page_size)])
+        self._check_continued(plan.last_loc[plan.continued_rows(self.page_size)].tolist())
         taken = self._take_pages(plan.num_new_pages, plan.num_new_pages)
         if taken is None:
             return None
@@ -129,18 +131,21 @@ class SWATokenToKVPoolAllocator:
         self._mapping_changed()
         return self.full_attn_allocator.hand_out(plan.locations(taken[0], self.page_size))
 
-    def alloc_decode(self, seq_lens, last_loc):
+    def alloc_decode(self, seq_lens, last_loc, to_device: bool = True):
+        """One location per request for position seq_lens[i]-1, or None; to_device=False
+        returns them as host ints (`PagedAllocator.hand_out_rows`). A step that opens no page
+        changes no map."""
         new_page, last = plan_decode(seq_lens, last_loc, self.page_size)
-        self._check_continued(last[~new_page])
-        k = int(new_page.sum())
+        self._check_continued([loc for new, loc in zip(new_page, last) if not new])
+        k = sum(new_page)
         taken = self._take_pages(k, k)
         if taken is None:
             return None
-        self._link(*taken)
-        self._mapping_changed()
-        locs = last + 1
-        locs[new_page] = taken[0] * self.page_size
-        return self.full_attn_allocator.hand_out(locs)
+        if k:
+            self._link(*taken)
+            self._mapping_changed()
+        locs = decode_locations(new_page, last, taken[0].tolist() if k else [], self.page_size)
+        return self.full_attn_allocator.hand_out_rows(locs, to_device)
 
     def alloc_extend_swa_tail(self, seq_len: int, swa_tail_len: int):
         """A new request of seq_len tokens with SWA slots only for its last swa_tail_len tokens

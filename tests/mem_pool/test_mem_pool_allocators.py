@@ -86,6 +86,18 @@ def test_alloc_decode_starts_a_page_only_on_a_page_boundary():
     assert out.tolist() == [12, 10]                         # new page 3; page 2 continues
 
 
+def test_alloc_decode_on_the_host_hands_out_the_same_locations_as_ints():
+    """to_device=False: the same locations and bookkeeping, as host ints (no device copy)."""
+    got = []
+    for to_device in (True, False):
+        a = PagedAllocator(8 * P, P)
+        locs = a.alloc_extend([0, 0], [4, 2], [-1, -1], 6)
+        out = a.alloc_decode([5, 3], [int(locs[3]), int(locs[5])], to_device=to_device)
+        got.append((out.tolist() if to_device else out, a.last_handed_out.tolist(),
+                    a._page_fill.tolist(), a.available_size()))
+    assert got[0] == got[1] and got[1][0] == [12, 10]
+
+
 def test_double_free_raises_and_changes_nothing():
     a = PagedAllocator(8 * P, P)
     locs = a.alloc(2 * P)

@@ -94,11 +94,19 @@ def test_grow_writes_the_next_position_and_counts_it():
         r.seq_len = len(r.locs)
     locs = slots.grow(reqs)
     assert [r.seq_len for r in reqs] == [P + 1, 4]
-    assert locs.tolist() == [reqs[0].locs[-1], reqs[1].locs[-1]]
+    assert locs == [reqs[0].locs[-1], reqs[1].locs[-1]]
     assert reqs[0].locs[-1] % P == 0                 # position 16 opens a new page
     assert reqs[1].locs[-1] == reqs[1].locs[-2] + 1  # position 3 continues its page
+    slots.write_grown(torch.tensor([r.slot for r in reqs]),
+                      torch.tensor([r.seq_len - 1 for r in reqs]), torch.tensor(locs), P)
     table = slots.req_to_token_pool.req_to_token
-    assert [int(table[r.slot, r.seq_len - 1]) for r in reqs] == locs.tolist()
+    assert [int(table[r.slot, r.seq_len - 1]) for r in reqs] == locs
+
+
+def test_write_grown_names_a_position_past_the_table():
+    slots = make_slots()
+    with pytest.raises(ValueError, match="positions up to"):
+        slots.write_grown(torch.tensor([1]), torch.tensor([MAX_LEN]), torch.tensor([P]), MAX_LEN)
 
 
 def test_grow_returns_none_with_nothing_taken_when_the_pool_is_short():
