@@ -30,6 +30,7 @@ from bench_common import HOST_SYNC_OPS, NO_KERNEL_OPS
 
 OUTSIDE = "outside"
 _CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+_COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
 
 
 @dataclass
@@ -119,18 +120,31 @@ class GpuLaunches(TorchDispatchMode):
         finally:
             InterpretedFunction.run = self._run
 
+    @contextlib.contextmanager
+    def _active(self):
+        """This mode on again inside its own handler (the base class's enter, not ours: the
+        Triton patch is in place already)."""
+        TorchDispatchMode.__enter__(self)
+        try:
+            yield
+        finally:
+            TorchDispatchMode.__exit__(self, None, None, None)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self._in_kernel:
             return func(*args, **kwargs)
         if func.namespace == "dsv4":
             # Run the op's body (its CPU kernel) with this mode on, so its own ops count.
-            # (The base class's enter, not ours: the Triton patch is in place already.)
-            TorchDispatchMode.__enter__(self)
-            try:
+            with self._active():
                 return func.redispatch(_CPU, *args, **kwargs)
-            finally:
-                TorchDispatchMode.__exit__(self, None, None, None)
+        # Below autograd (in a dsv4 op's body) a composite op reaches the mode whole: decompose
+        # it as the dispatcher would (`to` a copy or nothing, `square` a pow), counting its parts.
+        if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), _COMPOSITE):
+            with self._active():
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
         name = func.overloadpacket.__name__
         if name in HOST_SYNC_OPS:
             self._here().host_reads += 1
