@@ -9,6 +9,10 @@
 A `dsv4` op is not one launch here: its body runs under the mode, so a wrapper's torch prelude
 counts op by op beside the Triton kernel it feeds, as a GPU would launch them. (The dispatcher-op
 counter, `bench_common.count_dispatcher_ops`, counts the op once, whatever runs inside it.)
+The body runs with the conjugate and negative view keys on: a mode's handler runs with them off
+(handled above it), and a body run there reads a ``conj()`` view it makes unconjugated (the
+inverse RoPE turns the wrong way), which is why a plain pass-through mode changes an engine's
+tokens on a CPU and this one does not.
 
 Counts go to the current scope (``"outside"`` unless inside ``with counter.scope(name)``), so a
 caller can split a step per decoder layer. On a GPU, Triton launches do not pass through the
@@ -31,6 +35,8 @@ from bench_common import HOST_SYNC_OPS, NO_KERNEL_OPS
 OUTSIDE = "outside"
 _CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 _COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
+_VIEW_BITS = torch._C.DispatchKeySet(torch._C.DispatchKey.Conjugate) | torch._C.DispatchKeySet(
+    torch._C.DispatchKey.Negative)
 
 
 @dataclass
@@ -135,8 +141,12 @@ class GpuLaunches(TorchDispatchMode):
         if self._in_kernel:
             return func(*args, **kwargs)
         if func.namespace == "dsv4":
-            # Run the op's body (its CPU kernel) with this mode on, so its own ops count.
-            with self._active():
+            # Run the op's body (its CPU kernel) with this mode on, so its own ops count. A
+            # handler runs with the conjugate/negative-view keys excluded (they were handled
+            # above it); the body must not be, or a conj() view it makes is read unconjugated.
+            exclude = torch._C._dispatch_tls_local_exclude_set() - _VIEW_BITS
+            with self._active(), torch._C._ForceDispatchKeyGuard(
+                    torch._C._dispatch_tls_local_include_set(), exclude):
                 return func.redispatch(_CPU, *args, **kwargs)
         # Below autograd (in a dsv4 op's body) a composite op reaches the mode whole: decompose
         # it as the dispatcher would (`to` a copy or nothing, `square` a pow), counting its parts.

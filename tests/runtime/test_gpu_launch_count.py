@@ -86,6 +86,20 @@ def test_a_dsv4_ops_body_counts_op_by_op():
     assert (kernel.total.n_triton, kernel.total.aten) == (1, {})
 
 
+def test_counting_leaves_the_values_alone():
+    """grouped_out_proj's torch body rotates by a conj() view of the RoPE factors: counted, it
+    gives the same bytes (a plain pass-through mode loses the conjugation)."""
+    g = torch.Generator().manual_seed(0)
+    o = torch.randn(6, 4, 128, generator=g).bfloat16()
+    freqs = torch.polar(torch.ones(6, 32), torch.randn(6, 32, generator=g))
+    w = torch.randn(64, 256, generator=g).bfloat16()
+    args = (o, freqs, w, 2, 64)
+    want = op("grouped_out_proj", "torch")(*args)
+    with GpuLaunches() as counted:
+        got = op("grouped_out_proj", "torch")(*args)
+    assert torch.equal(got, want) and counted.total.n_aten > 1
+
+
 def test_the_counter_needs_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
