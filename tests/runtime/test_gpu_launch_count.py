@@ -72,6 +72,17 @@ def test_the_step_around_the_layers_within_its_budget(counts, step):
     assert outside.total <= OUTSIDE_BUDGET, outside.summary()
 
 
+def test_the_script_prints_a_row_per_layer_and_one_around_them(counts):
+    model, found = counts
+    kinds = [f"ratio {model.config.layer_ratio(i)}" for i in range(model.config.n_layers)]
+    rows = decode_launches.launch_table(found, kinds).splitlines()
+    assert len(rows) == 2 + model.config.n_layers + 1
+    one = found[STEPS[0]]["layers"][1]
+    assert rows[3].startswith(f"| layer 1 ({kinds[1]}) | {one.total} | {one.n_aten}: ")
+    assert rows[-1].startswith(f"| outside the layers | {found[STEPS[0]]['outside'].total} | ")
+    assert "--count" in bench_runner.script_help("decode_launches.py")
+
+
 def test_a_dsv4_ops_body_counts_op_by_op():
     """A dispatcher op is not one launch: rms_norm's torch body run through its dsv4 op counts
     each of its kernels, as the body called directly does; its Triton body is one launch."""
