@@ -7,7 +7,6 @@ runs the torch body; the wrapper names a bad argument."""
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("triton")
 
@@ -18,11 +17,12 @@ from hip_kernels.library import op  # noqa: E402
 from hip_kernels.platform import default_device  # noqa: E402
 from op_recorder import backends  # noqa: E402
 
+import bench_runner  # noqa: E402,F401  (puts scripts/ on sys.path)
+from gpu_launches import GpuLaunches  # noqa: E402
+
 DEV = default_device()   # the GPU where there is one (Triton compiled), else the CPU (interpreted)
 TRITON = KernelOptions(backend="triton")
 TINY = dict(ratios=[4, 128], rings=[8, 128])     # the tiny preset's compress ratios, ring sizes
-NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
-             "lift_fresh", "resize_", "set_"}    # allocations: no launch on a GPU
 
 
 def paged_tables(g, slots, ctx, page, n_full):
@@ -137,48 +137,18 @@ def test_empty_shapes():
     assert_same_bytes(decode_args(9, n=0))
 
 
-class GpuLaunches(TorchDispatchMode):
-    """What a call would launch on a GPU: each Triton launch, and each aten op outside a Triton
-    launch but views and allocations (inside one, the interpreter's own copies are not counted)."""
-
-    def __init__(self, monkeypatch):
-        super().__init__()
-        from triton.runtime.interpreter import InterpretedFunction
-
-        self.triton, self.aten, self._inside = 0, [], False
-        run = InterpretedFunction.run
-
-        def counted_run(fn, *args, **kwargs):
-            self.triton += 1
-            self._inside = True
-            try:
-                return run(fn, *args, **kwargs)
-            finally:
-                self._inside = False
-
-        monkeypatch.setattr(InterpretedFunction, "run", counted_run)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if not self._inside and not func.is_view and name not in NO_KERNEL:
-            self.aten.append(name)
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.skipif(DEV.type != "cpu", reason="counts the interpreter's launches")
 @pytest.mark.parametrize("closing_only", [False, True], ids=["captured", "eager"])
-def test_a_tiny_decode_plan_is_one_launch_per_ratio(monkeypatch, closing_only):
+def test_a_tiny_decode_plan_is_one_launch_per_ratio(closing_only):
     """The tiny preset's plan (window 128, ratios 4 and 128, the newest slot given): two Triton
     launches and no torch kernel, where the torch body runs over a hundred."""
     args = decode_args(1, n=2, window=128, closing_only=closing_only, **TINY)
-    torch_body = GpuLaunches(monkeypatch)
-    with torch_body:
+    with GpuLaunches() as torch_body:
         attention_plan_ref(*args)
-    assert torch_body.triton == 0 and len(torch_body.aten) > 100
-    counted = GpuLaunches(monkeypatch)
-    with counted:
+    assert torch_body.total.n_triton == 0 and torch_body.total.n_aten > 100
+    with GpuLaunches() as counted:
         attention_plan_triton(*args)
-    assert (counted.triton, counted.aten) == (len(TINY["ratios"]), [])
+    assert (counted.total.n_triton, counted.total.aten) == (len(TINY["ratios"]), {})
 
 
 def test_the_wrapper_runs_a_decode_on_triton_and_an_extend_on_torch():

@@ -1,6 +1,8 @@
 """Dispatcher ops of a decode layer (issue 26), counted as bench_decode counts them
-(scripts/decode_launches.py over bench_common's counter): the whole decode layer of the tiny
-preset at batch 1 and 8, and the mHC + norms + MoE part of a layer (tiny bf16 and small native)."""
+(scripts/decode_launches.py --count dispatcher, over bench_common's counter): the whole decode
+layer of the tiny preset at batch 1 and 8, and the mHC + norms + MoE part of a layer (tiny bf16
+and small native). A dsv4 op is one dispatcher op whatever runs inside it, so these are not GPU
+launches: test_gpu_launch_count.py counts those."""
 
 from dataclasses import replace
 
