@@ -113,7 +113,8 @@ def count_gpu_launches(engine, prompts, steps=(3, 4)) -> dict[int, dict]:
 
     engine._decode_step = step
     try:
-        engine.generate(prompts, max(steps) + 1)
+        engine.generate(prompts, max(steps) + 2)   # the counted steps are not the last: a
+        #                                             request's release is per request, not per step
     finally:
         del engine._decode_step
     missing = sorted(set(steps) - set(found))
@@ -130,7 +131,7 @@ def decode_gpu_launches(model, concurrency: int, context_len: int, options, step
 
     from dsv4.engine import Engine
 
-    engine = Engine(model, max_batch=concurrency, max_context_len=context_len + max(steps) + 1,
+    engine = Engine(model, max_batch=concurrency, max_context_len=context_len + max(steps) + 2,
                     graph=False, options=replace(options, graph=False))
     return count_gpu_launches(engine, random_prompts(model, concurrency, context_len, seed),
                               steps)

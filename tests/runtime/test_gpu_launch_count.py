@@ -23,23 +23,18 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
 
 BATCH, CONTEXT, STEPS = 2, 16, (3, 4)
 
-# The targets: at most 32 launches in any decoder layer, at most 30 around them per step.
-LAYER_TARGET = 32
-OUTSIDE_TARGET = 30
-# Where a target is not met yet, the budget is today's count (tighten it as launches go):
-# a ratio-4 layer (indexer, compressor) and the step around the layers.
-LAYER_BUDGET = {0: LAYER_TARGET, 4: 38, 128: LAYER_TARGET}     # by compress ratio
-OUTSIDE_BUDGET = 162
-# The aten ops a decoder layer still runs beside its Triton kernels: the bf16 linears' GEMMs
-# (mm), the RoPE factors' gather (index), the indexer weights' scaling (mul) and
-# sparse_decode_attention's reference-order prelude (bitwise_not, _to_copy, sort, gather). A new
-# glue op fails here; one moved into a kernel leaves the set smaller.
-LAYER_ATEN_OPS = {"mm", "index", "mul", "bitwise_not", "_to_copy", "sort", "gather"}
+# At most 32 launches in any decoder layer, at most 30 around them per step (measured: 17, 27
+# or 31 when the step closes a window, 19, and 27 around them).
+LAYER_BUDGET = 32
+OUTSIDE_BUDGET = 30
+# The only aten op a decoder layer runs beside its Triton kernels: the bf16 linears' GEMMs. A
+# new glue op fails here.
+LAYER_ATEN_OPS = {"mm"}
 
 
 @pytest.fixture(scope="module")
 def counts():
-    model = tiny_model(max_seq_len=CONTEXT + max(STEPS) + 1, seed=0)
+    model = tiny_model(max_seq_len=CONTEXT + max(STEPS) + 2, seed=0)
     options = Options(graph=False, kernel=KernelOptions(backend="triton"))
     with torch.no_grad():
         found = decode_launches.decode_gpu_launches(model, BATCH, CONTEXT, options, STEPS)
@@ -54,7 +49,7 @@ def test_every_decoder_layer_within_its_budget(counts, step):
     for i, layer in enumerate(layers):
         ratio = model.config.layer_ratio(i)
         assert layer.n_triton > 0, (i, layer.summary())      # the kernels are counted
-        assert layer.total <= LAYER_BUDGET[ratio], (i, ratio, layer.summary())
+        assert layer.total <= LAYER_BUDGET, (i, ratio, layer.summary())
 
 
 @pytest.mark.parametrize("step", STEPS)
@@ -102,9 +97,10 @@ def test_counting_leaves_the_values_alone():
     gives the same bytes (a plain pass-through mode loses the conjugation)."""
     g = torch.Generator().manual_seed(0)
     o = torch.randn(6, 4, 128, generator=g).bfloat16()
-    freqs = torch.polar(torch.ones(6, 32), torch.randn(6, 32, generator=g))
+    freqs = torch.polar(torch.ones(10, 32), torch.randn(10, 32, generator=g))   # the table
+    positions = torch.tensor([7, 2, 9, 0, 4, 4])
     w = torch.randn(64, 256, generator=g).bfloat16()
-    args = (o, freqs, w, 2, 64)
+    args = (o, freqs, positions, w, 2, 64)
     want = op("grouped_out_proj", "torch")(*args)
     with GpuLaunches() as counted:
         got = op("grouped_out_proj", "torch")(*args)
