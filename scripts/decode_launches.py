@@ -291,7 +291,7 @@ def main(argv=None) -> int:
 
     spec = {"preset": args.preset, "layers": None, "experts": None, "vocab": None,
             "weights": args.weights, "contexts": [args.context],
-            "new_tokens": max(args.steps) + 1, "seed": 0}
+            "new_tokens": max(args.steps) + 2, "seed": 0}
     model, _ = build_model(spec)
     options = Options.from_env()
     options = replace(options, kernel=replace(options.kernel, backend=args.kernel_backend))
