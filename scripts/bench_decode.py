@@ -76,7 +76,7 @@ import torch
 
 import bench_common as bc
 import decode_launches
-from bench_model import INITS, build_model
+from bench_model import add_model_args, build_model
 import weight_reads
 from bench_set_kv import peak_hbm_bytes_per_s
 
@@ -318,26 +318,14 @@ def weight_formats(text: str) -> tuple[str, ...]:
 def parse_args(argv=None):
     gpu = bc.on_gpu()
     p = bc.parser(__doc__.split("\n")[0], "results/bench_decode.json", repetitions=False)
-    p.add_argument("--preset", default="flash" if gpu else "tiny",
-                   help="model preset (default: flash on a GPU, tiny on a CPU)")
-    p.add_argument("--layers", type=int, default=None,
-                   help="keep only the first N layers (default: 4 for flash/pro, all for tiny)")
-    p.add_argument("--experts", type=int, default=None,
-                   help="routed experts per MoE layer (default: the preset's)")
-    p.add_argument("--vocab", type=int, default=None,
-                   help="vocabulary rows (default: the preset's; a smaller one keeps a flash "
-                        "slice's embedding and head small enough for a CPU)")
-    p.add_argument("--weights", choices=("native", "bf16"), default=None,
-                   help="weight format of the sweep's model (default: native where the config "
-                        "allows it, else bf16)")
+    add_model_args(p, "flash" if gpu else "tiny",
+                   "model preset (default: flash on a GPU, tiny on a CPU)",
+                   "keep only the first N layers (default: 4 for flash/pro, all for tiny)")
     p.add_argument("--weight-reads", type=weight_formats, default=None,
                    help="weight formats whose bytes per step are counted, comma-separated "
                         "(default: native,bf16 where the config allows native, else bf16; a "
                         "native count of a Flash slice runs the torch FP8/FP4 GEMMs: minutes "
                         "on a CPU)")
-    p.add_argument("--init", choices=INITS, default="seeded",
-                   help="random weights: seeded torch.randn draws (default), or tiled from one "
-                        "seeded pool, same shapes and formats in seconds (bench_model.py)")
     p.add_argument("--concurrency", type=bc.int_list, default=None,
                    help="batch sizes (default 1,2,4,8,16,32,64; quick 1,4)")
     p.add_argument("--contexts", type=bc.int_list, default=None,

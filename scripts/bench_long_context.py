@@ -63,7 +63,7 @@ import torch
 import bench_common as bc
 import decode_launches
 import weight_reads
-from bench_model import INITS, build_model
+from bench_model import add_model_args, build_model
 from bench_set_kv import peak_hbm_bytes_per_s
 
 RESULT = "RESULT "
@@ -254,17 +254,8 @@ def parse_args(argv=None):
                         "device's memory)")
     p.add_argument("--graph", action="store_true",
                    help="replay decode steps from captured graphs (default: eager)")
-    p.add_argument("--preset", default="tiny", help="model preset (default tiny)")
-    p.add_argument("--layers", type=int, default=None,
-                   help="keep only the first N layers (default: all)")
-    p.add_argument("--experts", type=int, default=None,
-                   help="routed experts per MoE layer (default: the preset's)")
-    p.add_argument("--vocab", type=int, default=None,
-                   help="vocabulary rows (default: the preset's)")
-    p.add_argument("--weights", choices=("native", "bf16"), default=None,
-                   help="weight format (default: native where the config allows it, else bf16)")
-    p.add_argument("--init", choices=INITS, default="seeded",
-                   help="random weights: seeded draws (default) or tiled (bench_model.py)")
+    add_model_args(p, "tiny", "model preset (default tiny)",
+                   "keep only the first N layers (default: all)")
     p.add_argument("--hbm-bandwidth", type=float, default=None,
                    help="HBM bandwidth the floor assumes, TB/s (default: the GPU's peak from "
                         "bench_set_kv.PEAK_HBM; none on a CPU)")

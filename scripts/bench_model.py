@@ -48,6 +48,24 @@ class TiledNormal:
         return window.as_strided(shape, strides)
 
 
+def add_model_args(p, preset: str, preset_help: str, layers_help: str) -> None:
+    """The options that say which model a benchmark builds (`build_model`'s spec): --preset
+    (default ``preset``), --layers, --experts, --vocab, --weights, --init."""
+    p.add_argument("--preset", default=preset, help=preset_help)
+    p.add_argument("--layers", type=int, default=None, help=layers_help)
+    p.add_argument("--experts", type=int, default=None,
+                   help="routed experts per MoE layer (default: the preset's)")
+    p.add_argument("--vocab", type=int, default=None,
+                   help="vocabulary rows (default: the preset's; a smaller one keeps a flash "
+                        "slice's embedding and head small enough for a CPU)")
+    p.add_argument("--weights", choices=("native", "bf16"), default=None,
+                   help="weight format of the model (default: native where the config allows "
+                        "it, else bf16)")
+    p.add_argument("--init", choices=INITS, default="seeded",
+                   help="random weights: seeded torch.randn draws (default), or tiled from one "
+                        "seeded pool, same shapes and formats in seconds")
+
+
 def build_model(spec: dict):
     """(model, info) for a benchmark spec: "preset", "layers", "experts", "vocab" (None: the
     preset's), "weights" (None: the default format), "contexts", "new_tokens" (the longest
