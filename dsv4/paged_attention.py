@@ -123,7 +123,7 @@ def select_rows(indexer: Indexer, qr, x, freqs_cis, positions, plan: CompressPla
     FP8 key cache in place (a Triton kernel on a GPU); in an extend, one per request of the
     piece, its keys read once for all its queries."""
     q = indexer.project_q(qr, freqs_cis, positions, options.reference, options.kernel)
-    w = indexer.head_weights(x, options.reference)
+    w = indexer.head_weights(x, options.reference, options.kernel)
     loc, visible = plan.candidates(rows)
     if plan.row_request is None:
         scores = indexer_scores(q, w, cache, loc, visible, page_size,

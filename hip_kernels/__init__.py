@@ -24,6 +24,7 @@ from .kv_layout import (dequantize_kv_rows, indexer_page_bytes, page_bytes, quan
                         read_indexer_rows, read_kv_rows)
 from .mhc_fused import hc_post, hc_pre
 from .mhc_split import hc_split
+from .plain_linear import plain_linear
 from .moe_fused import moe_route, moe_routed, moe_shared
 from .numerics import DEFAULT_NUMERICS, REFERENCE_NUMERICS, StoreNumerics
 from .options import DEFAULT_KERNEL_OPTIONS, KernelOptions
@@ -45,5 +46,5 @@ __all__ = [
     "moe_shared", "sparse_decode_attention", "indexer_scores", "indexer_scores_shared",
     "rms_norm", "indexer_query", "indexer_topk", "picked_rows", "grouped_out_proj",
     "attention_plan", "act_quant", "ocp_to_fnuz", "fp8_linear", "fp8_grouped_linear",
-    "fp4_grouped_linear",
+    "fp4_grouped_linear", "plain_linear",
 ]

@@ -18,6 +18,7 @@ from torch import nn
 
 from hip_kernels import aiter_ops
 from hip_kernels.indexer_query import indexer_query
+from hip_kernels.plain_linear import plain_linear
 from hip_kernels.indexer_topk import indexer_topk
 from hip_kernels.options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 
@@ -56,10 +57,13 @@ class Indexer(nn.Module):
         return indexer_query(self.wq_b(qr, kernel), freqs_cis, positions, self.n_local_heads,
                              self.rope_dim, reference=reference, kernel=kernel)
 
-    def head_weights(self, x: torch.Tensor, reference: bool) -> torch.Tensor:
+    def head_weights(self, x: torch.Tensor, reference: bool,
+                     kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
         """Per-head weights [N, Hi] before their scale (``weight_scale``, applied by the scores
-        op): bf16 (the model dtype) in reference numerics, else fp32."""
-        w = self.weights_proj(x)
+        op): bf16 (the model dtype) in reference numerics, else fp32. weights_proj stays in bf16
+        as the checkpoint keeps it, one op (``hip_kernels.plain_linear``: a Triton kernel on a
+        GPU, so a layer of native weights runs no torch GEMM)."""
+        w = plain_linear(x, self.weights_proj.weight, kernel=kernel)
         return w if reference else w.float()
 
     def select(self, scores: torch.Tensor, visible: torch.Tensor, options: Options,

@@ -112,3 +112,19 @@ def test_the_counter_needs_the_interpreter(monkeypatch):
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
         with GpuLaunches():
             pass
+
+
+def test_the_indexer_weights_are_a_triton_kernel_not_a_torch_gemm():
+    """weights_proj, the one linear the checkpoint keeps in bf16 beside native FP8/FP4 weights,
+    is one Triton launch on the Triton backend: a native layer runs no torch GEMM (its other
+    linears are the FP8/FP4 kernels). On the torch backend it is F.linear's bits."""
+    model = tiny_model(max_seq_len=8, seed=0)
+    indexer = model.layers[1].attn.indexer
+    x = torch.randn(2, model.config.dim).bfloat16()
+    with GpuLaunches() as counted:
+        w = indexer.head_weights(x, True, KernelOptions(backend="triton"))
+    assert dict(counted.total.triton) == {"plain_linear_kernel": 1}
+    assert not counted.total.aten, counted.total.summary()
+    torch_w = indexer.head_weights(x, True, KernelOptions(backend="torch"))
+    assert torch.equal(torch_w, torch.nn.functional.linear(x, indexer.weights_proj.weight))
+    assert w.shape == torch_w.shape and w.dtype == torch_w.dtype
