@@ -129,8 +129,7 @@ def build_attention_metadata(batch: ForwardBatch, req_to_token: torch.Tensor,
     if batch.prompt_lens is not None and not decode:   # a chunk: the whole prompt's candidates
         for ratio, plan in plans.items():
             plan.row_width = (batch.prompt_lens.long() // ratio)[rows_of_token]
-    width = (None if decode else
-             prefill_window_width(batch, window)[batch.token_request_rows()])
+    width = None if decode else prefill_window_width(batch, window)[rows_of_token]
     return AttentionMetadata(pos, out[0], out[1], plans, swa_write_loc, width)
 
 

@@ -26,9 +26,9 @@ latest admitted running request is retracted to the host (``retraction.py``) and
 pages free up. Decode steps replay captured graphs (``graphs/decode_runner.py``) when
 ``options.graph`` (DSV4_GRAPH) is on. With a prefix cache (``prefix_cache=`` or
 DSV4_PREFIX_CACHE) a prompt's cached prefix is loaded instead of prefilled, and every whole page
-a chunk computes is inserted (``prefix_reuse.py``); chunks then end on a multiple of the
-compressor ring (``prefix_reuse.RING``) unless they end the prompt, so a page end's ring rows are
-always computed by one chunk.
+a chunk computes is inserted (``prefix_reuse.py``). A chunk ends on a multiple of the compressor
+ring (``prefix_reuse.RING``, 8) unless it ends the prompt (``Scheduler.piece``): a page end's
+ring rows are then always computed by one chunk, and a step's rows come in multiples of 8.
 
 Flags are read once, when the engine is made: ``Engine(model, options=None)`` takes
 ``Options.from_env()`` then, and hands that value to every forward, to its graphs and to its
@@ -156,7 +156,8 @@ class Engine:
         self.prefill_chunk = chunk or auto_prefill_chunk(
             cfg, self.max_context_len, available_bytes(self.device),
             self.pool.nbytes + sum(t.numel() * t.element_size()
-                                   for t in (*model.parameters(), *model.buffers())), page_size)
+                                   for t in (*model.parameters(), *model.buffers())), page_size,
+            batch=max_batch, tp=model.split.size)
         self.min_prefill_share = max(self.prefill_chunk // 8, RING)
         use_graph = self.options.graph if graph is None else graph
         # Tensor parallel on a GPU captures the collectives in the step (NCCL/RCCL); the CPU

@@ -220,7 +220,25 @@ def test_the_chunk_follows_the_options_and_auto_sizes_it(tiny):
                   options=Options(prefill_chunk=96)).prefill_chunk == 96
     auto = Engine(tiny, max_batch=1, max_context_len=MAX_LEN, graph=False,
                   options=Options(prefill_chunk=0))
-    assert auto.prefill_chunk == MAX_AUTO_CHUNK     # a CPU machine's memory holds 8192 easily
+    assert auto.prefill_chunk == MAX_AUTO_CHUNK     # a CPU machine's memory holds 4096 easily
+
+
+def test_the_auto_chunk_is_sized_for_every_request_the_engine_takes(tiny, monkeypatch):
+    """The engine sizes its chunk for max_batch requests (their row tables) on its model's
+    ranks, as the CLI's estimate does for its prompts."""
+    import dsv4.engine as engine_module
+
+    asked = []
+
+    def recorded(*args, **kwargs):
+        asked.append(kwargs)
+        return 256
+
+    monkeypatch.setattr(engine_module, "auto_prefill_chunk", recorded)
+    engine = Engine(tiny, max_batch=3, max_context_len=MAX_LEN, graph=False,
+                    options=Options(prefill_chunk=0))
+    assert engine.prefill_chunk == 256
+    assert asked == [{"batch": 3, "tp": 1}]
 
 
 @pytest.mark.parametrize("value", ["0", "-3", "1.5", "abc", ""])
