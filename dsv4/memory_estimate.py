@@ -142,8 +142,9 @@ def auto_prefill_chunk(config, context_len: int, device_bytes: int, weight_and_k
                        page_size: int = 256, batch: int = 1, tp: int = 1) -> int:
     """The prefill chunk (tokens) a device of device_bytes holding weight_and_kv_bytes of
     weights and KV pool can take: the largest power of two c, page_size <= c <=
-    MAX_AUTO_CHUNK, with prefill_bytes(config, c, context_len) <= device_bytes * (1 -
-    MARGIN_FRACTION) - weight_and_kv_bytes; page_size when none fits."""
+    MAX_AUTO_CHUNK, with prefill_bytes(config, c, context_len, batch, tp) <= device_bytes *
+    (1 - MARGIN_FRACTION) - weight_and_kv_bytes (batch: the requests a step may hold; tp: the
+    ranks, the estimate being one rank's); page_size when none fits."""
     spare = device_bytes * (1 - MARGIN_FRACTION) - weight_and_kv_bytes
     chunk = MAX_AUTO_CHUNK
     while chunk > page_size and prefill_bytes(config, chunk, context_len, batch, tp) > spare:
