@@ -27,6 +27,11 @@ GRAPH_BACKEND = choice_flag(
 SGLANG_PLUGIN = bool_flag(
     "DSV4_SGLANG_PLUGIN", True,
     "let SGLang's plugin loader install this backend's SWA KV setters (0 = SGLang's own)", PKG)
+SGLANG_MONOKERNEL = bool_flag(
+    "DSV4_SGLANG_MONOKERNEL", True,
+    "register this backend's monokernel spec for DeepseekV4ForCausalLM with SGLang, so that "
+    "`--enable-amd-monokernel` runs its decode steps on this project's model (0 = no spec; "
+    "DSV4_SGLANG_PLUGIN=0 turns it off too)", PKG)
 VLLM_PLUGIN = bool_flag(
     "DSV4_VLLM_PLUGIN", True,
     "let vLLM's plugin loader install this backend's DeepSeek-V4 KV insert (0 = vLLM's own)", PKG)

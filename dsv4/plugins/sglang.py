@@ -179,6 +179,27 @@ def _register() -> None:
     if not envs.SGLANG_PLUGIN.get():
         logger.info("dsv4-rocm: SGLang plugin off (DSV4_SGLANG_PLUGIN=0)")
         return
+    _register_setters()
+    _register_monokernel()
+
+
+def _register_monokernel() -> None:
+    """Register the monokernel spec (`sglang_monokernel.py`); one log line says what happened.
+    A SGLang without the AMD monokernel contract, or with another version of it, keeps its
+    standard path."""
+    if not envs.SGLANG_MONOKERNEL.get():
+        logger.info("dsv4-rocm: monokernel spec not registered (DSV4_SGLANG_MONOKERNEL=0)")
+        return
+    try:
+        from . import sglang_monokernel
+    except ImportError as e:
+        logger.warning("dsv4-rocm: monokernel spec not registered: SGLang %s has no usable AMD "
+                       "monokernel contract (%s)", installed_version("sglang"), e)
+        return
+    logger.warning("dsv4-rocm: %s", sglang_monokernel.register_spec())
+
+
+def _register_setters() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     chosen, problem = plan(class_methods(POOL_MODULE, POOL_CLASS))

@@ -1,0 +1,96 @@
+"""What the SGLang monokernel spec refuses, with the reasons SGLang lists when it stops a server.
+
+`config_disable_reasons(cfg, hf_config)` runs while SGLang resolves its server arguments (before
+any weight is read): the model config this project's layers cannot run, and the server settings
+`Requirements` cannot state. `model_disable_reasons(model, hf_config, copies)` runs after the
+weights loaded, on every TP rank: the weight formats, and whether the copies kept at load fit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..config import ModelConfig
+from ..parallel.split import split_problem
+from ..weights.formats import native_problem
+from .sglang_mono_weights import copied_bytes, weight_format
+
+# DeepSeek-V4.1 / vision fields of SGLang's DeepSeekV4Config this model does not have, with the
+# value that means "not used".
+UNUSED_FIELDS = {
+    "kv_source_layer_ids": [],
+    "index_source_layer_ids": [],
+    "engram_layer_ids": [],
+    "vision_n_layers": 0,
+    "candidate_topk_blocks": 0,
+    "hc_pre_from_prev_sublayer": False,
+}
+# SGLang's page sizes the pool's compressed caches divide into whole rows (page_size / 128 >= 1).
+PAGE_SIZE_MULTIPLE = 128
+# The share of free device memory the load hook's copies may take.
+COPY_MEMORY_SHARE = 0.5
+
+
+def hf_dict(hf_config: Any) -> dict:
+    """The Hugging Face config as a plain dict (a PretrainedConfig or already a dict)."""
+    return dict(hf_config) if isinstance(hf_config, dict) else hf_config.to_dict()
+
+
+def model_config(hf_config: Any) -> ModelConfig:
+    """This project's ModelConfig of SGLang's hf_config (a ValueError names a bad field)."""
+    d = {k: v for k, v in hf_dict(hf_config).items()
+         if k not in UNUSED_FIELDS and not k.startswith(("engram_", "vision_", "candidate_"))}
+    return ModelConfig.from_dict(d, source="hf_config")
+
+
+def config_disable_reasons(cfg: Any, hf_config: Any) -> list[str]:
+    """Reasons, before load, that this spec cannot serve the model SGLang is configured for."""
+    reasons = []
+    d = hf_dict(hf_config)
+    for name, unused in UNUSED_FIELDS.items():
+        if d.get(name, unused) not in (unused, None):
+            reasons.append(f"config.{name}={d[name]!r}: this model has no such part "
+                           f"(only {unused!r} is supported)")
+    try:
+        config = model_config(hf_config)
+    except ValueError as e:
+        return reasons + [f"the model config: {e}"]
+    tp = int(getattr(cfg, "tp_size", 1) or 1)
+    problem = split_problem(config, tp, native=weight_format(d) == "native")
+    if problem:
+        reasons.append(problem)
+    page = getattr(cfg, "page_size", None)
+    if page is not None and page % PAGE_SIZE_MULTIPLE:
+        reasons.append(f"--page-size {page} is not a multiple of {PAGE_SIZE_MULTIPLE} (a page "
+                       "must hold whole C128 rows)")
+    return reasons
+
+
+def model_disable_reasons(model: torch.nn.Module, hf_config: Any, copies: dict) -> list[str]:
+    """Reasons, after load, on this rank: the weight format, and whether the copies fit."""
+    reasons = []
+    d = hf_dict(hf_config)
+    fmt = weight_format(d)
+    if fmt is None:
+        reasons.append(f"quantization_config {d.get('quantization_config')!r} is neither the "
+                       "published DeepSeek-V4 format (FP8 e4m3 in 128x128 blocks with ue8m0 "
+                       "scales, FP4 experts) nor none (bf16 weights)")
+    elif fmt == "native":
+        problem = native_problem(model_config(hf_config))
+        if problem:
+            reasons.append(problem)
+    need = copied_bytes(copies)
+    free = free_device_bytes()
+    if free is not None and need > COPY_MEMORY_SHARE * free:
+        reasons.append(f"the weight copies kept at load take {need / 2**30:.2f} GiB, more than "
+                       f"{COPY_MEMORY_SHARE:.0%} of this device's free {free / 2**30:.2f} GiB")
+    return reasons
+
+
+def free_device_bytes() -> int | None:
+    """Free memory of the current GPU, or None without one."""
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.mem_get_info()[0]

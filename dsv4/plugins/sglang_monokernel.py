@@ -1,0 +1,96 @@
+"""The SGLang monokernel spec: `--enable-amd-monokernel` runs DeepSeek-V4's decode steps on this
+project's model, inside SGLang 0.5.23, over SGLang's own KV pool.
+
+SGLang's AMD monokernel contract (`sglang.kernels.plugin_kernels.amd.spec`, API version 1) lets a
+library register a frozen `MonoSpec` per architecture; with the flag on, SGLang validates it
+while resolving the server arguments and again after the weights load, then replaces the model's
+forward for the decode batch sizes the spec covers (`sglang.srt.kernel_plugins.amd.binding`).
+`register_spec()` (called by `dsv4.plugins.sglang.register`, the `dsv4_rocm` entry point)
+registers `SPEC` below; `DSV4_SGLANG_MONOKERNEL=0` or `DSV4_SGLANG_PLUGIN=0` leaves it out.
+
+What the spec states, and why:
+- widths: the decode batch sizes this project's graphs capture (1 to 64, each one); TP sizes:
+  the tensor-parallel degrees its split runs (1, 2, 4, 8; `config_disable_reasons` names a model
+  whose heads or experts do not divide). resident_blocks 1: no kernel here keeps a persistent
+  grid, so any number of compute units runs it.
+- features: none. Every feature SGLang refuses by default stays refused (DP attention,
+  speculative decoding, expert parallelism, ...): the forward runs plain decode steps.
+- requires: bf16 activations, SGLang's `dsv4` decode attention backend, an FP8 KV cache with the
+  FP8 (not FP4) indexer, and the V4 head geometry its kernels and KV layout are built for.
+- numerics: TOLERANCE. The forward gives the reference implementation's bits; SGLang's own path
+  rounds differently, and the two were never compared on a GPU (see docs/plugins.md).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from sglang.kernels.plugin_kernels.amd.spec import (
+    BACKEND, MONOKERNEL_API_VERSION, DeviceLimits, MonoSpec, Numerics, NumericsKind,
+    Requirements)
+
+from .sglang_mono_checks import config_disable_reasons, model_disable_reasons
+from .sglang_mono_forward import build
+from .sglang_mono_weights import load_tensor
+
+logger = logging.getLogger(__name__)
+
+ARCHITECTURE = "DeepseekV4ForCausalLM"
+SPEC_PATH = f"{__name__}:SPEC"
+# The contract version this module is written against (SGLang 0.5.23's).
+API_VERSION = 1
+WIDTHS = tuple(range(1, 65))
+TP_SIZES = (1, 2, 4, 8)
+ISAS = ("gfx942", "gfx950")
+
+REQUIREMENTS = Requirements(
+    dtypes=frozenset({"bfloat16"}),
+    attention_backends=frozenset({"dsv4"}),
+    server_args={
+        "kv_cache_dtype": frozenset({"fp8_e4m3"}),
+        "enable_deepseek_v4_fp4_indexer": frozenset({False}),
+    },
+    hf_config={
+        "model_type": "deepseek_v4",
+        "qk_nope_head_dim": 448,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 512,
+        "index_head_dim": 128,
+        "num_key_value_heads": 1,
+    },
+)
+
+# Logits cosine per row against SGLang's standard path on the same GPU. Not measured there: it
+# is the floor set by what this project measured between two correct bf16 implementations of the
+# model (its reference and fp32 numerics, 0.997 mean cosine on random tiny weights, where
+# rounding differences grow fastest), with room for SGLang's kernels' own rounding.
+LOGITS_COSINE = 0.99
+
+SPEC = MonoSpec(
+    name="dsv4-rocm",
+    devices={isa: DeviceLimits(widths=WIDTHS, tp_sizes=TP_SIZES, resident_blocks=1)
+             for isa in ISAS},
+    features=frozenset(),
+    requires=REQUIREMENTS,
+    numerics=Numerics(kind=NumericsKind.TOLERANCE,
+                      bounds={"forward.logits.cosine": LOGITS_COSINE}),
+    model_disable_reasons=model_disable_reasons,
+    build=build,
+    api_version=API_VERSION,
+    config_disable_reasons=config_disable_reasons,
+    load_tensor=load_tensor,
+)
+
+
+def register_spec() -> str:
+    """Register SPEC with the installed SGLang's monokernel registry; returns the line to log.
+    A SGLang whose contract is another version is left alone (its standard path runs)."""
+    if MONOKERNEL_API_VERSION != API_VERSION:
+        return (f"monokernel spec not registered: SGLang's monokernel API is version "
+                f"{MONOKERNEL_API_VERSION}, this spec is written for version {API_VERSION}")
+    from sglang.kernels.plugin_kernels.amd.spec import register
+
+    register(backend=BACKEND, architecture=ARCHITECTURE, path=SPEC_PATH)
+    return (f"monokernel spec {SPEC.name} registered for {ARCHITECTURE} "
+            f"({', '.join(ISAS)}; decode batch sizes {WIDTHS[0]}-{WIDTHS[-1]}; TP "
+            f"{'/'.join(map(str, TP_SIZES))}); --enable-amd-monokernel turns it on")
