@@ -55,7 +55,7 @@ KNOWN_EXTRA_KEYS = frozenset({
     "initializer_range", "max_position_embeddings", "model_type", "norm_topk_prob",
     "quantization_config", "tie_word_embeddings", "topk_method", "torch_dtype",
     "transformers_version", "use_cache", "max_batch_size", "max_seq_len", "dtype", "scale_fmt",
-    "scale_dtype", "num_key_value_heads", "auto_map",
+    "scale_dtype", "num_key_value_heads", "auto_map", "qk_nope_head_dim", "v_head_dim",
 })
 
 
@@ -136,6 +136,11 @@ class ModelConfig:
             values["eos_token_id"] = values["eos_token_id"][0]
         cfg = cls(**values)
         cfg.validate()
+        for key, want in (("qk_nope_head_dim", cfg.head_dim - cfg.rope_head_dim),
+                          ("v_head_dim", cfg.head_dim)):
+            if key in d and d[key] != want:
+                raise ValueError(f"{source}: {key} must be {want} (head_dim={cfg.head_dim}, "
+                                 f"rope_head_dim={cfg.rope_head_dim}), got {d[key]!r}")
         return cfg
 
     @classmethod

@@ -8,11 +8,12 @@ weights loaded, on every TP rank: the weight formats, and whether the copies kep
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 
-from ..config import ModelConfig
+from ..config import HF_ALIASES, ModelConfig
 from ..parallel.split import split_problem
 from ..weights.formats import native_problem
 from .sglang_mono_weights import copied_bytes, weight_format
@@ -39,9 +40,11 @@ def hf_dict(hf_config: Any) -> dict:
 
 
 def model_config(hf_config: Any) -> ModelConfig:
-    """This project's ModelConfig of SGLang's hf_config (a ValueError names a bad field)."""
-    d = {k: v for k, v in hf_dict(hf_config).items()
-         if k not in UNUSED_FIELDS and not k.startswith(("engram_", "vision_", "candidate_"))}
+    """This project's ModelConfig of SGLang's hf_config (a ValueError names a bad field). Only
+    the model's own keys are read: a transformers config also carries generic ones."""
+    known = {f.name for f in dataclasses.fields(ModelConfig)} | set(HF_ALIASES) | {
+        "rope_scaling", "num_key_value_heads", "qk_nope_head_dim", "v_head_dim"}
+    d = {k: v for k, v in hf_dict(hf_config).items() if k in known}
     return ModelConfig.from_dict(d, source="hf_config")
 
 

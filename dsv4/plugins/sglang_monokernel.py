@@ -16,7 +16,8 @@ What the spec states, and why:
 - features: none. Every feature SGLang refuses by default stays refused (DP attention,
   speculative decoding, expert parallelism, ...): the forward runs plain decode steps.
 - requires: bf16 activations, SGLang's `dsv4` decode attention backend, an FP8 KV cache with the
-  FP8 (not FP4) indexer, and the V4 head geometry its kernels and KV layout are built for.
+  FP8 (not FP4) indexer keys stored row by row (`SGLANG_DSA_HIP_DISABLE_PRESHUFFLE=1`), and the
+  V4 head geometry its kernels and KV layout are built for.
 - numerics: TOLERANCE. The forward gives the reference implementation's bits; SGLang's own path
   rounds differently, and the two were never compared on a GPU (see docs/plugins.md).
 """
@@ -27,7 +28,7 @@ import logging
 
 from sglang.kernels.plugin_kernels.amd.spec import (
     BACKEND, MONOKERNEL_API_VERSION, DeviceLimits, MonoSpec, Numerics, NumericsKind,
-    Requirements)
+    Requirements, register)
 
 from .sglang_mono_checks import config_disable_reasons, model_disable_reasons
 from .sglang_mono_forward import build
@@ -58,6 +59,9 @@ REQUIREMENTS = Requirements(
         "index_head_dim": 128,
         "num_key_value_heads": 1,
     },
+    # SGLang's indexer keys row by row (on ROCm with aiter it tiles them 16x16 unless this is
+    # set): the layout this project's indexer kernels read and write.
+    env={"SGLANG_DSA_HIP_DISABLE_PRESHUFFLE": True},
 )
 
 # Logits cosine per row against SGLang's standard path on the same GPU. Not measured there: it
@@ -88,8 +92,6 @@ def register_spec() -> str:
     if MONOKERNEL_API_VERSION != API_VERSION:
         return (f"monokernel spec not registered: SGLang's monokernel API is version "
                 f"{MONOKERNEL_API_VERSION}, this spec is written for version {API_VERSION}")
-    from sglang.kernels.plugin_kernels.amd.spec import register
-
     register(backend=BACKEND, architecture=ARCHITECTURE, path=SPEC_PATH)
     return (f"monokernel spec {SPEC.name} registered for {ARCHITECTURE} "
             f"({', '.join(ISAS)}; decode batch sizes {WIDTHS[0]}-{WIDTHS[-1]}; TP "

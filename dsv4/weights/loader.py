@@ -275,12 +275,24 @@ def read_config(path: Path) -> dict:
 def fill_model(model, whole: dict[str, torch.Tensor], path: Path, files: list[Path],
                stored: dict[str, Stored], block: tuple[int, int], options,
                on_tensor=None) -> None:
+    """Read the checkpoint's shards ``files`` into ``model``: ``fill_from`` over the opened
+    files."""
+    with contextlib.ExitStack() as stack:
+        handles = {f: stack.enter_context(safe_open(f, framework="pt")) for f in files}
+        fill_from(model, whole, path, handles, stored, block, options, on_tensor)
+
+
+def fill_from(model, whole: dict[str, torch.Tensor], path, handles: dict,
+              stored: dict[str, Stored], block: tuple[int, int], options,
+              on_tensor=None) -> None:
     """Read the checkpoint's tensors into ``model`` (``dsv4.checkpoint.load_model`` builds it).
 
-    ``whole``: the whole model's tensors (``DeepseekV4Model.whole_model_tensors``): the checkpoint
+    ``path`` names the checkpoint in messages; ``handles``: where each stored tensor's ``file``
+    is read, by ``get_tensor(name)`` and ``get_slice(name)[index]`` (opened safetensors files,
+    or ``held.HeldTensors``). ``whole``: the whole model's tensors (``DeepseekV4Model.whole_model_tensors``): the checkpoint
     is checked against them (every problem in one ``CheckpointError``) before the first tensor is
-    read; a tensor-parallel rank's model reads only its slices and routed experts. ``files``,
-    ``stored``: the shards and their headers (``checkpoint_files``, ``read_headers``); ``block``:
+    read; a tensor-parallel rank's model reads only its slices and routed experts. ``stored``:
+    the tensors' headers (``read_headers``); ``block``:
     the FP8 scale block (``fp8_block_size``). ``options``: the model's ``dsv4.Options``; with
     ``options.check_weights`` every tensor is scanned for NaN/inf and tid2eid for experts out of
     range. ``on_tensor``, if given, is called after each tensor is loaded (progress reporting).
@@ -296,8 +308,7 @@ def fill_model(model, whole: dict[str, torch.Tensor], path: Path, files: list[Pa
         logger.info("skipping %d MTP tensors (this model has no MTP layers), e.g. %s",
                     len(mtp), mtp[0])
 
-    with contextlib.ExitStack() as stack, torch.no_grad():
-        handles = {f: stack.enter_context(safe_open(f, framework="pt")) for f in files}
+    with torch.no_grad():
         for plan in plans:
             if plan.target not in targets:
                 continue                      # another rank's routed expert
@@ -314,5 +325,5 @@ def fill_model(model, whole: dict[str, torch.Tensor], path: Path, files: list[Pa
             if on_tensor is not None:
                 on_tensor()
     n_quant = sum(p.scale is not None for p in plans)
-    logger.info("loaded %d tensors (%d quantized, held %s) from %d file(s) in %s",
-                len(plans), n_quant, model.weights, len(files), path)
+    logger.info("loaded %d tensors (%d quantized, held %s) from %s", len(plans), n_quant,
+                model.weights, path)

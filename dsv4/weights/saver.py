@@ -63,6 +63,9 @@ def config_dict(config, naming: str, quantize: bool) -> dict:
         d["rope_scaling"] = rope
         d["model_type"] = "deepseek_v4"
         d["architectures"] = ["DeepseekV4ForCausalLM"]
+        # The published config.json's head geometry, which engines read (MQA: K = V = the row).
+        d.update(num_key_value_heads=1, v_head_dim=d["head_dim"],
+                 qk_nope_head_dim=d["head_dim"] - d["qk_rope_head_dim"])
     if quantize:
         d["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
                                     "weight_block_size": list(quant.DEFAULT_FP8_BLOCK)}

@@ -191,49 +191,59 @@ def test_different_signatures_patch_nothing(monkeypatch, caplog):
 
 
 # SGLang's loader in one fresh process, the scenarios one after another: the two that must
-# patch nothing first, the one that patches last (nothing has to be unpatched between them).
-# Before each, SGLang's once-per-process guard, its hook registry and our cached flags are
-# reset, so each scenario is SGLang's real load_plugins under its own environment, for one
-# SGLang import.
+# patch nothing first, then the two that patch (what they print is the registry's list of
+# patched methods, and SGLang's spec lookup, which a second patch does not change). Before each,
+# SGLang's once-per-process guard, its hook and spec registries and our cached flags are reset,
+# so each scenario is SGLang's real load_plugins under its own environment, for one SGLang
+# import.
 LOADER = textwrap.dedent("""
     import json, logging, os, sys
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(name)s %(message)s")
     import sglang.srt.plugins as plugins
+    import sglang.kernels.plugin_kernels.amd.spec as mono
     from sglang.srt.plugins.hook_registry import HookRegistry
     from hip_kernels import flags
     for env in json.loads(sys.argv[1]):
-        for name in ("SGLANG_PLUGINS", "DSV4_SGLANG_PLUGIN"):
+        for name in ("SGLANG_PLUGINS", "DSV4_SGLANG_PLUGIN", "DSV4_SGLANG_MONOKERNEL"):
             os.environ.pop(name, None)
         os.environ.update(env)
         flags.refresh()
         HookRegistry.reset()
+        mono._REGISTRY.clear()
         plugins._plugins_loaded = False
         print("SCENARIO", flush=True)
         plugins.load_plugins()
         ours = sorted(t.rsplit(".", 1)[1] for t in HookRegistry._patched if "DeepSeekV4" in t)
         print("PATCHED", ours, flush=True)
+        spec, why = mono.find_spec(backend="amd", architectures=["DeepseekV4ForCausalLM"],
+                                   isa="gfx942")
+        print("SPEC", spec.name if spec else None, flush=True)
 """)
 
 
-SCENARIOS = [  # (environment, whether our hooks get applied); the patching one last
-    ({"SGLANG_PLUGINS": "some_other_plugin"}, False),
-    ({"DSV4_SGLANG_PLUGIN": "0"}, False),
-    ({"SGLANG_PLUGINS": "dsv4_rocm"}, True),
+SCENARIOS = [  # (environment, whether our hooks get applied, whether SGLang finds the spec)
+    ({"SGLANG_PLUGINS": "some_other_plugin"}, False, False),
+    ({"DSV4_SGLANG_PLUGIN": "0"}, False, False),
+    ({"DSV4_SGLANG_MONOKERNEL": "0"}, True, False),
+    ({"SGLANG_PLUGINS": "dsv4_rocm"}, True, True),
 ]
 
 
 def test_loader_in_a_fresh_process():
     env = {k: v for k, v in stub_path_env().items()
-           if k not in ("SGLANG_PLUGINS", "DSV4_SGLANG_PLUGIN")}
-    proc = subprocess.run([sys.executable, "-c", LOADER, json.dumps([e for e, _ in SCENARIOS])],
+           if k not in ("SGLANG_PLUGINS", "DSV4_SGLANG_PLUGIN", "DSV4_SGLANG_MONOKERNEL")}
+    proc = subprocess.run([sys.executable, "-c", LOADER,
+                           json.dumps([e for e, *_ in SCENARIOS])],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     outs = proc.stdout.split("SCENARIO\n")[1:]
     assert len(outs) == len(SCENARIOS), proc.stdout[-2000:]
     names = sorted(plugin.REPLACEMENTS)
-    for out, (scenario_env, patched) in zip(outs, SCENARIOS):
+    for out, (scenario_env, patched, spec) in zip(outs, SCENARIOS):
         line = [x for x in out.splitlines() if x.startswith("PATCHED")][0]
         assert line == f"PATCHED {names if patched else []}", scenario_env
+        line = [x for x in out.splitlines() if x.startswith("SPEC")][0]
+        assert line == f"SPEC {'dsv4-rocm' if spec else None}", scenario_env
         assert ("SGLang plugin off (DSV4_SGLANG_PLUGIN=0)" in out) == \
             ("DSV4_SGLANG_PLUGIN" in scenario_env), scenario_env
 
