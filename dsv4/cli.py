@@ -51,6 +51,8 @@ def _cmd_env(args: argparse.Namespace) -> int:
         print("\nserving plugins (what each would replace in the installed engine):")
         for plugin in (sglang, vllm):
             print(f"  {plugin.status()}")
+        for line in sglang.monokernel_status():
+            print(f"  {line}")
     return 1 if bad else 0
 
 

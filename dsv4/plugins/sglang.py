@@ -166,6 +166,23 @@ def status() -> str:
     return f"sglang {version}: would replace {describe_plan(chosen)}"
 
 
+def monokernel_status() -> list[str]:
+    """What the monokernel spec would cover with the installed SGLang, or why it would not be
+    registered (for `python -m dsv4 env`)."""
+    version = installed_version("sglang")
+    if version is None:
+        return ["sglang monokernel: SGLang not installed"]
+    if not envs.SGLANG_PLUGIN.get():
+        return [f"sglang {version} monokernel: off (DSV4_SGLANG_PLUGIN=0)"]
+    if not envs.SGLANG_MONOKERNEL.get():
+        return [f"sglang {version} monokernel: off (DSV4_SGLANG_MONOKERNEL=0)"]
+    try:
+        from . import sglang_monokernel
+    except ImportError as e:
+        return [f"sglang {version} monokernel: no usable AMD monokernel contract ({e})"]
+    return sglang_monokernel.coverage()
+
+
 def register() -> None:
     """The `sglang.srt.plugins` entry point (zero arguments, called by SGLang's loader)."""
     try:

@@ -16,7 +16,7 @@ import torch
 from ..config import HF_ALIASES, ModelConfig
 from ..parallel.split import split_problem
 from ..weights.formats import native_problem
-from .sglang_mono_weights import copied_bytes, weight_format
+from .sglang_mono_weights import copied_bytes, copy_bytes, max_seq_len, weight_format
 
 # DeepSeek-V4.1 / vision fields of SGLang's DeepSeekV4Config this model does not have, with the
 # value that means "not used".
@@ -64,6 +64,14 @@ def config_disable_reasons(cfg: Any, hf_config: Any) -> list[str]:
     problem = split_problem(config, tp, native=weight_format(d) == "native")
     if problem:
         reasons.append(problem)
+    total = device_total_bytes()
+    if total is not None:
+        fmt = weight_format(d) or "native"
+        ours = copy_bytes(config, fmt, tp, max_seq_len(d, config))
+        if 2 * ours > total:
+            reasons.append(f"this project's model takes {ours / 2**30:.1f} GiB a rank beside "
+                           f"SGLang's own weights (about as much): {2 * ours / 2**30:.1f} GiB is "
+                           f"more than the device's {total / 2**30:.1f} GiB (use a larger --tp)")
     page = getattr(cfg, "page_size", None)
     if page is not None and page % PAGE_SIZE_MULTIPLE:
         reasons.append(f"--page-size {page} is not a multiple of {PAGE_SIZE_MULTIPLE} (a page "
@@ -88,8 +96,16 @@ def model_disable_reasons(model: torch.nn.Module, hf_config: Any, copies: dict) 
     free = free_device_bytes()
     if free is not None and need > COPY_MEMORY_SHARE * free:
         reasons.append(f"the weight copies kept at load take {need / 2**30:.2f} GiB, more than "
-                       f"{COPY_MEMORY_SHARE:.0%} of this device's free {free / 2**30:.2f} GiB")
+                       f"{COPY_MEMORY_SHARE:.0%} of this device's free {free / 2**30:.2f} GiB "
+                       "(the rest is the KV cache's)")
     return reasons
+
+
+def device_total_bytes() -> int | None:
+    """Memory of the current GPU, or None without one."""
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
 
 
 def free_device_bytes() -> int | None:

@@ -25,7 +25,7 @@ import torch
 from ..forward_batch import ForwardBatch, ForwardMode
 from ..options import Options
 from .sglang_mono_checks import hf_dict, model_config
-from .sglang_mono_weights import build_model, rank_split, weight_format
+from .sglang_mono_weights import build_model, max_seq_len, rank_split, weight_format
 
 logger = logging.getLogger(__name__)
 
@@ -91,9 +91,8 @@ def build(model: torch.nn.Module, hf_config: Any, context: Any) -> DecodeMonoker
     options = Options.from_env()
     config = model_config(hf_config)
     hf = hf_dict(hf_config)
-    max_seq_len = int(hf.get("max_position_embeddings") or config.original_seq_len)
-    ours = build_model(config, weight_format(hf), context.copies, _device_of(model), max_seq_len,
-                       options, rank_split())
+    ours = build_model(config, weight_format(hf), context.copies, _device_of(model),
+                       max_seq_len(hf, config), options, rank_split())
     logger.info("dsv4-rocm monokernel built on %s: %s weights, widths %s", context.isa,
                 ours.weights, list(context.widths))
     return DecodeMonokernel(ours, options, context.widths)

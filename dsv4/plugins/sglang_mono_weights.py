@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ..config import ModelConfig
+from ..memory_estimate import weight_bytes
 from ..model import DeepseekV4Model
 from ..options import Options
 from ..parallel import SINGLE, TensorSplit
@@ -75,6 +76,17 @@ def load_tensor(copies: dict, model: torch.nn.Module, name: str, tensor: torch.T
     if not _owns(rank_split(), ref, config.n_routed_experts):
         return
     copies[(CHECKPOINT, name)] = tensor.detach().to("cpu", copy=True)
+
+
+def max_seq_len(hf: dict, config: ModelConfig) -> int:
+    """The positions the model's RoPE tables hold: the config's max_position_embeddings."""
+    return int(hf.get("max_position_embeddings") or config.original_seq_len)
+
+
+def copy_bytes(config: ModelConfig, fmt: str, tp: int, seq_len: int) -> int:
+    """Device bytes of this project's model on one of ``tp`` ranks: what the monokernel holds
+    beside SGLang's own weights."""
+    return weight_bytes(config, fmt, max_seq_len=seq_len, tp=tp)
 
 
 def copied_bytes(copies: dict) -> int:

@@ -96,3 +96,28 @@ def register_spec() -> str:
     return (f"monokernel spec {SPEC.name} registered for {ARCHITECTURE} "
             f"({', '.join(ISAS)}; decode batch sizes {WIDTHS[0]}-{WIDTHS[-1]}; TP "
             f"{'/'.join(map(str, TP_SIZES))}); --enable-amd-monokernel turns it on")
+
+
+def coverage() -> list[str]:
+    """What the spec covers and refuses, and the bytes its model holds a rank beside SGLang's
+    weights for the published Flash and Pro models (for `python -m dsv4 env`)."""
+    from ..config import ModelConfig
+    from .sglang_mono_weights import copy_bytes
+
+    req = SPEC.requires
+    lines = [
+        f"monokernel spec {SPEC.name} (SGLang --enable-amd-monokernel): {'/'.join(ISAS)}, decode "
+        f"batch sizes {WIDTHS[0]}-{WIDTHS[-1]}, TP {'/'.join(map(str, TP_SIZES))}; accepts none "
+        "of the features SGLang refuses by default",
+        "  requires: dtype bfloat16, decode attention backend dsv4, "
+        + ", ".join(f"{k} in {sorted(map(str, v))}" for k, v in req.server_args.items())
+        + ", " + ", ".join(f"{k}={v}" for k, v in req.env.items())
+        + f"; numerics {SPEC.numerics.kind.value} (logits cosine >= {LOGITS_COSINE}, not measured "
+        "against SGLang's path)",
+    ]
+    for name in ("flash", "pro"):
+        config = ModelConfig.preset(name)
+        per_rank = ", ".join(f"TP{tp} {copy_bytes(config, 'native', tp, config.original_seq_len) / 2**30:.1f}"
+                             for tp in TP_SIZES)
+        lines.append(f"  weights held beside SGLang's, {name} (GiB a rank): {per_rank}")
+    return lines
