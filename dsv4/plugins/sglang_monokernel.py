@@ -117,7 +117,7 @@ def coverage() -> list[str]:
     ]
     for name in ("flash", "pro"):
         config = ModelConfig.preset(name)
-        per_rank = ", ".join(f"TP{tp} {copy_bytes(config, 'native', tp, config.original_seq_len) / 2**30:.1f}"
-                             for tp in TP_SIZES)
+        held = {tp: copy_bytes(config, "native", tp, config.original_seq_len) for tp in TP_SIZES}
+        per_rank = ", ".join(f"TP{tp} {n / 2**30:.1f}" for tp, n in held.items())
         lines.append(f"  weights held beside SGLang's, {name} (GiB a rank): {per_rank}")
     return lines
