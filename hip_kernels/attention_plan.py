@@ -90,16 +90,18 @@ def attention_plan_ref(positions, req_pool_indices, seq_lens, rows_of_token, fir
     out = [window_loc, window_valid]
     for ratio, ring, tok, rows, page in zip(ratios, rings, tokens, n_rows, ring_pages):
         tok = torch.arange(pos.shape[0], device=dev) if tok is None else tok
-        if page:
-            def ring_rows(r, p, ring=ring, page=page):
-                return state_page_rows(full_to_swa[full_loc(r, p)].long(), ring, page)
-        else:
-            def ring_rows(r, p, ring=ring):
-                return state_ring_rows(r, p, ring)
         out += _compress_plan(ratio, ring, tok, pos, req, seq_len, first_new, full_loc, rows,
                               None if rows_of_token is None else req_pool_indices.long(),
-                              seq_lens.long(), ring_rows)
+                              seq_lens.long(), _ring_rows(ring, page, full_to_swa, full_loc))
     return out
+
+
+def _ring_rows(ring, page, full_to_swa, full_loc):
+    """A ratio's ring_rows(request slots, positions): by request slot (page 0), else by the SWA
+    page of each position's SWA slot."""
+    if page:
+        return lambda r, p: state_page_rows(full_to_swa[full_loc(r, p)].long(), ring, page)
+    return lambda r, p: state_ring_rows(r, p, ring)
 
 
 def _compress_plan(ratio, ring, tokens, pos, req, seq_len, first_new, full_loc, n_rows,
