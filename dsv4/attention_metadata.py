@@ -15,7 +15,8 @@ For each new token (a query) it says which KV rows it attends and where they liv
   its pool reads, either from the request's state ring (positions before this step) or from this
   step's own projections; the compressed location it emits to (-1 when it is not on a boundary);
   and the ring row each new token's (kv, score) goes to (-1: not kept, only the last ring_size
-  positions of a request are).
+  positions of a request are). A ratio's ring rows are its request slot's ring (our pool's) or,
+  where the pool says so (``state_ring_swa_page``), the ring of the position's SWA page.
 
 The metadata holds the step's tensors only: what the step computes with (its ``Options``) is the
 forward's own argument, handed down to every layer beside it.
@@ -104,14 +105,17 @@ def build_attention_metadata(batch: ForwardBatch, req_to_token: torch.Tensor,
                              full_to_swa: torch.Tensor, swa_write_loc: torch.Tensor | None,
                              window: int, ratios: dict[int, int],
                              max_rows: dict[int, int] | None = None, *,
-                             kernel: KernelOptions) -> AttentionMetadata:
+                             ring_pages: dict[int, int], kernel: KernelOptions
+                             ) -> AttentionMetadata:
     """``full_to_swa`` is the allocator's mapping tensor: the window's older slots are gathered
     through it directly; ``swa_write_loc`` [N] is the SWA slot of each new token (the pool's
     translation of out_cache_loc), the window's last column; None when the stores translate
     themselves (that column then comes through req_to_token too). ``ratios`` maps each compress
     ratio in the model to its state ring size. ``max_rows`` fixes the number of compressed rows
     per query per ratio (decode under graphs); by default it is the batch's maximum (a host
-    read: extend only). ``kernel.backend`` picks the plan's backend."""
+    read: extend only). ``ring_pages`` maps a ratio whose state ring rows go by SWA page to the
+    SWA page size (the pool's ``state_ring_swa_page``); a ratio not in it has a ring per request
+    slot. ``kernel.backend`` picks the plan's backend."""
     decode = batch.is_decode
     rows_of_token = None if decode else batch.token_request_rows()
     first_new = (None if decode else
@@ -121,7 +125,8 @@ def build_attention_metadata(batch: ForwardBatch, req_to_token: torch.Tensor,
               for ratio in ratios]
     out = attention_plan(batch.positions, batch.req_pool_indices, batch.seq_lens, rows_of_token,
                          first_new, req_to_token, full_to_swa, swa_write_loc, window,
-                         list(ratios), list(ratios.values()), tokens, n_rows, kernel=kernel)
+                         list(ratios), list(ratios.values()), tokens, n_rows,
+                         [ring_pages.get(ratio, 0) for ratio in ratios], kernel=kernel)
     pos = batch.positions.long()
     plans = {ratio: CompressPlan(ratio, ring, *out[2 + PLAN_TENSORS * i:][:PLAN_TENSORS],
                                  positions=pos, row_request=rows_of_token)

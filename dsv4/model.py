@@ -175,7 +175,8 @@ class DeepseekV4Model(nn.Module):
                          else token_to_kv_pool.get_cached_swa_loc(batch.out_cache_loc))
         meta = build_attention_metadata(
             batch, req_to_token, token_to_kv_pool.full_to_swa_index_mapping, swa_write_loc,
-            self.config.window_size, self.compress_ratios(), max_rows, kernel=options.kernel)
+            self.config.window_size, self.compress_ratios(), max_rows,
+            ring_pages=token_to_kv_pool.state_ring_swa_page, kernel=options.kernel)
         x = self.embed_tokens(batch.input_ids)
         for layer in self.layers:
             x = layer(x, batch, meta, options, token_to_kv_pool, self.layer_freqs(layer),

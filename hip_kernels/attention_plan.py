@@ -19,6 +19,13 @@ Its outputs, from the step's positions, request slots and lengths, the request -
   R = B, a row per request, c < seq_len // r (its tokens' visibility is their positions'), so
   an extend's tables grow with its requests times their context, not with its tokens.
 
+A ratio's ring rows (src_state, state_write) are addressed one of two ways, its ``ring_pages``
+entry: 0, by request slot (row = slot * R + position % R, a ring per request); P > 0, by SWA
+page (row = (s // P) * R + s % R, s the position's SWA slot `full_to_swa[req_to_token[slot,
+position]]` and P the SWA page size, a multiple of R: a ring per SWA page, so a state buffer
+sized by the SWA pages; a padded row of request 0 at position 0 lands on the ring of the SWA
+page its location 0 maps to).
+
 The torch body (`attention_plan_ref`) is the CPU path and the oracle: about 115 aten ops, each a
 kernel on a GPU. The Triton backend (`attention_plan_triton`) plans a decode step (one token per
 request: ``rows_of_token`` and ``first_new`` None) in one launch per ratio, the window folded
@@ -48,9 +55,15 @@ def state_ring_rows(req_slots: torch.Tensor, positions: torch.Tensor,
     return req_slots * ring_size + positions % ring_size
 
 
+def state_page_rows(swa_slots: torch.Tensor, ring_size: int, ring_page: int) -> torch.Tensor:
+    """Ring row of an SWA slot, a ring per SWA page of ring_page slots:
+    (slot // ring_page) * ring_size + slot % ring_size."""
+    return swa_slots // ring_page * ring_size + swa_slots % ring_size
+
+
 def attention_plan_ref(positions, req_pool_indices, seq_lens, rows_of_token, first_new,
                        req_to_token, full_to_swa, swa_write_loc, window, ratios, rings, tokens,
-                       n_rows) -> list[torch.Tensor]:
+                       n_rows, ring_pages) -> list[torch.Tensor]:
     """The step's metadata tensors: window_loc, window_valid, then per ratio the CompressPlan
     fields from tokens on (``PLAN_TENSORS`` each). rows_of_token / first_new None: a decode
     step's (each request one token, at its position); tokens[i] None: every token."""
@@ -75,31 +88,39 @@ def attention_plan_ref(positions, req_pool_indices, seq_lens, rows_of_token, fir
         window_loc = torch.cat([window_loc, swa_write_loc.to(torch.int32)[:, None]], 1)
         window_valid = torch.nn.functional.pad(window_valid, (0, 1), value=True)
     out = [window_loc, window_valid]
-    for ratio, ring, tok, rows in zip(ratios, rings, tokens, n_rows):
+    for ratio, ring, tok, rows, page in zip(ratios, rings, tokens, n_rows, ring_pages):
         tok = torch.arange(pos.shape[0], device=dev) if tok is None else tok
         out += _compress_plan(ratio, ring, tok, pos, req, seq_len, first_new, full_loc, rows,
                               None if rows_of_token is None else req_pool_indices.long(),
-                              seq_lens.long())
+                              seq_lens.long(), _ring_rows(ring, page, full_to_swa, full_loc))
     return out
 
 
+def _ring_rows(ring, page, full_to_swa, full_loc):
+    """A ratio's ring_rows(request slots, positions): by request slot (page 0), else by the SWA
+    page of each position's SWA slot."""
+    if page:
+        return lambda r, p: state_page_rows(full_to_swa[full_loc(r, p)].long(), ring, page)
+    return lambda r, p: state_ring_rows(r, p, ring)
+
+
 def _compress_plan(ratio, ring, tokens, pos, req, seq_len, first_new, full_loc, n_rows,
-                   extend_req, extend_seq_len):
+                   extend_req, extend_seq_len, ring_rows):
     """extend_req / extend_seq_len [B]: an extend's requests and lengths (None in a decode
-    step): the row table then has one row per request, its rows c < seq_len // ratio valid."""
+    step): the row table then has one row per request, its rows c < seq_len // ratio valid.
+    ring_rows(request slots, positions): their ring rows."""
     dev = pos.device
     p = pos[tokens]
     width = ring             # a pool reads as many rows as the ring keeps (8 overlapping at 4)
     qpos = p[:, None] - torch.arange(width - 1, -1, -1, device=dev)        # oldest first
     new = qpos >= first_new[tokens][:, None]
     src_new = torch.where(new, tokens[:, None] - (p[:, None] - qpos), -1)
-    ring_rows = state_ring_rows(req[tokens][:, None], qpos, ring)
-    src_state = torch.where(~new & (qpos >= 0), ring_rows, -1)
+    src_state = torch.where(~new & (qpos >= 0), ring_rows(req[tokens][:, None], qpos), -1)
     window_start = p + 1 - ratio
     emit = (p + 1) % ratio == 0
     emit_loc = torch.where(emit, full_loc(req[tokens], window_start) // ratio, -1)
     keep = pos >= seq_len - ring
-    state_write = torch.where(keep, state_ring_rows(req, pos, ring), -1)
+    state_write = torch.where(keep, ring_rows(req, pos), -1)
 
     owner, visible = ((req, (pos + 1) // ratio) if extend_req is None else
                       (extend_req, extend_seq_len // ratio))
@@ -112,7 +133,7 @@ def _compress_plan(ratio, ring, tokens, pos, req, seq_len, first_new, full_loc, 
 
 def _attention_plan_fake(positions, req_pool_indices, seq_lens, rows_of_token, first_new,
                          req_to_token, full_to_swa, swa_write_loc, window, ratios, rings, tokens,
-                         n_rows):
+                         n_rows, ring_pages):
     n = positions.shape[0]
     r = n if rows_of_token is None else req_pool_indices.shape[0]   # the row tables' rows
     out = [positions.new_empty(n, window, dtype=torch.int32),
@@ -131,7 +152,7 @@ def _attention_plan_fake(positions, req_pool_indices, seq_lens, rows_of_token, f
 define_op(OP, "(Tensor positions, Tensor req_pool_indices, Tensor seq_lens, "
           "Tensor? rows_of_token, Tensor? first_new, Tensor req_to_token, Tensor full_to_swa, "
           "Tensor? swa_write_loc, int window, int[] ratios, int[] rings, Tensor?[] tokens, "
-          "int[] n_rows) -> Tensor[]", attention_plan_ref, _attention_plan_fake,
+          "int[] n_rows, int[] ring_pages) -> Tensor[]", attention_plan_ref, _attention_plan_fake,
           triton="attention_plan_triton.attention_plan_triton")
 
 
@@ -140,14 +161,15 @@ def attention_plan(positions: torch.Tensor, req_pool_indices: torch.Tensor,
                    first_new: torch.Tensor | None, req_to_token: torch.Tensor,
                    full_to_swa: torch.Tensor, swa_write_loc: torch.Tensor | None, window: int,
                    ratios: list[int], rings: list[int], tokens: list[torch.Tensor | None],
-                   n_rows: list[int], *, kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS
-                   ) -> list[torch.Tensor]:
+                   n_rows: list[int], ring_pages: list[int], *,
+                   kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> list[torch.Tensor]:
     """The step's plan tensors (see the module docstring): positions [N]; req_pool_indices and
     seq_lens [N] in a decode step, [B] in an extend, whose rows_of_token [N] give each token's
     request row and first_new [N] its request's first new position (both None: a decode step);
     req_to_token [slots, context]; full_to_swa [full locations]; swa_write_loc [N] or None;
-    per ratio its ring size, its candidate tokens (None: every token) and its compressed rows
-    per query. kernel.backend picks the backend (no HIP version); an extend runs the torch
+    per ratio its ring size, its candidate tokens (None: every token), its compressed rows
+    per query and how its ring rows are addressed (0: by request slot; else by SWA page, the
+    SWA page size, a positive multiple of the ring size). kernel.backend picks the backend (no HIP version); an extend runs the torch
     reference. No host read: a decode step's plan can be captured."""
     check_kernel(kernel)
     check_tensor("positions", positions, dtypes=INDEX_DTYPES, dim=1)
@@ -162,10 +184,16 @@ def attention_plan(positions: torch.Tensor, req_pool_indices: torch.Tensor,
         check_tensor("swa_write_loc", swa_write_loc, dtypes=INDEX_DTYPES, shape=(n,), device=dev)
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"window must be an int >= 1, got {window!r}")
-    if not len(ratios) == len(rings) == len(tokens) == len(n_rows):
-        raise ValueError(f"ratios, rings, tokens and n_rows must have one entry per ratio, got "
-                         f"{len(ratios)}, {len(rings)}, {len(tokens)} and {len(n_rows)}")
+    if not len(ratios) == len(rings) == len(tokens) == len(n_rows) == len(ring_pages):
+        raise ValueError(f"ratios, rings, tokens, n_rows and ring_pages must have one entry per "
+                         f"ratio, got {len(ratios)}, {len(rings)}, {len(tokens)}, {len(n_rows)} "
+                         f"and {len(ring_pages)}")
+    for ratio, ring, page in zip(ratios, rings, ring_pages):
+        if isinstance(page, bool) or not isinstance(page, int) or page < 0 or page % ring:
+            raise ValueError(f"ring_pages must hold 0 (ring rows by request slot) or an SWA page "
+                             f"size that is a positive multiple of the ring size per ratio; ratio "
+                             f"{ratio} (ring {ring}) has {page!r}")
     backend = resolve(OP, dev, kernel.backend, triton_ok=decode)
     return op(OP, backend)(positions, req_pool_indices, seq_lens, rows_of_token, first_new,
                            req_to_token, full_to_swa, swa_write_loc, window, list(ratios),
-                           list(rings), list(tokens), list(n_rows))
+                           list(rings), list(tokens), list(n_rows), list(ring_pages))

@@ -10,7 +10,8 @@ expression on the same integers: floor division and Python's modulo where it use
 negative indices of the tables wrapped as torch's indexing wraps them, positions clamped where it
 clamps them, so the outputs are the reference's byte for byte. A table read is masked where the
 reference discards the value (an invalid window column, a row past the visible ones, a token off
-a boundary), so no masked lane reads memory.
+a boundary), so no masked lane reads memory. A ratio whose ring rows go by SWA page (``BY_PAGE``)
+gathers each ring position's SWA slot through the same two tables as the window.
 
 A decode step only: each request's one token is its only new one (``first_new`` = its position),
 so a pooled row comes from this step exactly at the window's last position. An extend, shaped on
@@ -56,14 +57,29 @@ def _full_loc(r2t_ptr, r2t_stride0, r2t_stride1, n_slots, ctx, slot, p, mask):
 
 
 @triton.jit
+def _ring_row(r2t_ptr, r2t_stride0, r2t_stride1, n_slots, ctx, f2s_ptr, f2s_stride, n_full, slot,
+              p, ring, ring_page, mask, BY_PAGE: tl.constexpr):
+    """The ring row of (request slot, position p) where mask: by request slot, slot * ring +
+    p % ring; BY_PAGE, by the SWA page of p's slot s = full_to_swa[req_to_token[slot, p]]:
+    (s // ring_page) * ring + s % ring."""
+    if BY_PAGE:
+        full = _wrap(_full_loc(r2t_ptr, r2t_stride0, r2t_stride1, n_slots, ctx, slot, p, mask),
+                     n_full)
+        swa = tl.load(f2s_ptr + full * f2s_stride, mask=mask & (full >= 0) & (full < n_full),
+                      other=0).to(tl.int64)
+        return _floordiv(swa, ring_page) * ring + _pymod(swa, ring)
+    return slot * ring + _pymod(p, ring)
+
+
+@triton.jit
 def attention_plan_kernel(
         pos_ptr, req_ptr, seq_ptr, n_tokens, r2t_ptr, r2t_stride0, r2t_stride1, n_slots, ctx,
         f2s_ptr, f2s_stride, n_full, swa_write_ptr, win_loc_ptr, win_valid_ptr, window,
-        cand_ptr, n_cand, ratio, ring, n_rows,
+        cand_ptr, n_cand, ratio, ring, ring_page, n_rows,
         tokens_ptr, src_state_ptr, src_new_ptr, has_prev_ptr, window_start_ptr, emit_loc_ptr,
         state_write_ptr, row_loc_ptr, row_valid_ptr, row_width_ptr,
         WINDOW: tl.constexpr, SWA_WRITE: tl.constexpr, PLAN: tl.constexpr,
-        CANDIDATES: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_RING: tl.constexpr,
+        CANDIDATES: tl.constexpr, BY_PAGE: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_RING: tl.constexpr,
         BLOCK_C: tl.constexpr):
     i = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
@@ -92,20 +108,23 @@ def attention_plan_kernel(
         if PLAN:        # this token's ring write and row width
             seq = tl.load(seq_ptr + i).to(tl.int64)
             keep = pos >= seq - ring
-            tl.store(state_write_ptr + i, tl.where(keep, req * ring + _pymod(pos, ring), -1))
+            row = _ring_row(r2t_ptr, r2t_stride0, r2t_stride1, n_slots, ctx, f2s_ptr, f2s_stride,
+                            n_full, req, pos, ring, ring_page, keep, BY_PAGE)
+            tl.store(state_write_ptr + i, tl.where(keep, row, -1))
             tl.store(row_width_ptr + i, _floordiv(seq, ratio))
             if CANDIDATES:
                 if i < n_cand:
                     token = tl.load(cand_ptr + i).to(tl.int64)
                     _candidate(i, token, pos_ptr, req_ptr, n_tokens, r2t_ptr, r2t_stride0,
-                               r2t_stride1, n_slots, ctx, ratio, ring, src_state_ptr,
-                               src_new_ptr, has_prev_ptr, window_start_ptr, emit_loc_ptr,
-                               BLOCK_RING)
+                               r2t_stride1, n_slots, ctx, f2s_ptr, f2s_stride, n_full, ratio,
+                               ring, ring_page, src_state_ptr, src_new_ptr, has_prev_ptr,
+                               window_start_ptr, emit_loc_ptr, BY_PAGE, BLOCK_RING)
             else:       # every token a candidate, in order
                 tl.store(tokens_ptr + i, i)
                 _candidate(i, i, pos_ptr, req_ptr, n_tokens, r2t_ptr, r2t_stride0, r2t_stride1,
-                           n_slots, ctx, ratio, ring, src_state_ptr, src_new_ptr, has_prev_ptr,
-                           window_start_ptr, emit_loc_ptr, BLOCK_RING)
+                           n_slots, ctx, f2s_ptr, f2s_stride, n_full, ratio, ring, ring_page,
+                           src_state_ptr, src_new_ptr, has_prev_ptr, window_start_ptr,
+                           emit_loc_ptr, BY_PAGE, BLOCK_RING)
     if PLAN:            # compressed rows c < (pos + 1) // ratio of this block
         c = block.to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
         col = c < n_rows
@@ -119,8 +138,9 @@ def attention_plan_kernel(
 
 @triton.jit
 def _candidate(m, token, pos_ptr, req_ptr, n_tokens, r2t_ptr, r2t_stride0, r2t_stride1, n_slots,
-               ctx, ratio, ring, src_state_ptr, src_new_ptr, has_prev_ptr, window_start_ptr,
-               emit_loc_ptr, BLOCK_RING: tl.constexpr):
+               ctx, f2s_ptr, f2s_stride, n_full, ratio, ring, ring_page, src_state_ptr,
+               src_new_ptr, has_prev_ptr, window_start_ptr, emit_loc_ptr, BY_PAGE: tl.constexpr,
+               BLOCK_RING: tl.constexpr):
     """Candidate m (batch token `token`): the R rows its pool reads, oldest first, from the ring
     (positions before this step's) or this step's row (its own position); its window's start
     and, on a boundary, the compressed location it emits to."""
@@ -132,7 +152,10 @@ def _candidate(m, token, pos_ptr, req_ptr, n_tokens, r2t_ptr, r2t_stride0, r2t_s
     qpos = p - (ring - 1 - j)
     new = qpos >= p
     src_new = tl.where(new, token - (p - qpos), -1)
-    src_state = tl.where(~new & (qpos >= 0), slot * ring + _pymod(qpos, ring), -1)
+    from_ring = ~new & (qpos >= 0)
+    row = _ring_row(r2t_ptr, r2t_stride0, r2t_stride1, n_slots, ctx, f2s_ptr, f2s_stride, n_full,
+                    slot, qpos, ring, ring_page, from_ring & (j < ring), BY_PAGE)
+    src_state = tl.where(from_ring, row, -1)
     tl.store(src_new_ptr + m * ring + j, src_new, mask=j < ring)
     tl.store(src_state_ptr + m * ring + j, src_state, mask=j < ring)
     tl.store(has_prev_ptr + m, _floordiv(p, ratio) > 0)
@@ -145,7 +168,7 @@ def _candidate(m, token, pos_ptr, req_ptr, n_tokens, r2t_ptr, r2t_stride0, r2t_s
 
 def attention_plan_triton(positions, req_pool_indices, seq_lens, rows_of_token, first_new,
                           req_to_token, full_to_swa, swa_write_loc, window, ratios, rings, tokens,
-                          n_rows) -> list[torch.Tensor]:
+                          n_rows, ring_pages) -> list[torch.Tensor]:
     """`attention_plan`'s outputs for a decode step (rows_of_token and first_new None), the
     reference's bytes, in max(1, len(ratios)) launches. A ratio's given candidates (tokens[i]
     not None) come back as given, as the reference returns them."""
@@ -165,7 +188,8 @@ def attention_plan_triton(positions, req_pool_indices, seq_lens, rows_of_token, 
               win_valid, window)
     window_flags = dict(SWA_WRITE=swa_write_loc is not None,
                         BLOCK_W=triton.next_power_of_2(window))
-    for k, (ratio, ring, tok, rows) in enumerate(zip(ratios, rings, tokens, n_rows)):
+    for k, (ratio, ring, tok, rows, page) in enumerate(zip(ratios, rings, tokens, n_rows,
+                                                           ring_pages)):
         m = n if tok is None else tok.shape[0]
         plan = [torch.empty(m, **i64) if tok is None else tok, torch.empty(m, ring, **i64),
                 torch.empty(m, ring, **i64), torch.empty(m, dtype=torch.bool, device=pos.device),
@@ -176,12 +200,12 @@ def attention_plan_triton(positions, req_pool_indices, seq_lens, rows_of_token, 
         if n:
             cand = pos if tok is None else tok.contiguous()
             attention_plan_kernel[(n, max(1, triton.cdiv(rows, BLOCK_C)))](
-                *common, cand, m, ratio, ring, rows, *plan,
-                WINDOW=k == 0, PLAN=True, CANDIDATES=tok is not None,
+                *common, cand, m, ratio, ring, max(page, 1), rows, *plan,
+                WINDOW=k == 0, PLAN=True, CANDIDATES=tok is not None, BY_PAGE=page > 0,
                 BLOCK_RING=triton.next_power_of_2(ring), BLOCK_C=BLOCK_C, **window_flags,
                 **LAUNCH_OPTIONS)
     if not ratios and n:
         attention_plan_kernel[(n, 1)](
-            *common, pos, 0, 1, 1, 0, *[pos] * 10, WINDOW=True, PLAN=False, CANDIDATES=False,
-            BLOCK_RING=1, BLOCK_C=BLOCK_C, **window_flags, **LAUNCH_OPTIONS)
+            *common, pos, 0, 1, 1, 1, 0, *[pos] * 10, WINDOW=True, PLAN=False,
+            CANDIDATES=False, BY_PAGE=False, BLOCK_RING=1, BLOCK_C=BLOCK_C, **window_flags, **LAUNCH_OPTIONS)
     return out

@@ -222,8 +222,8 @@ def _compressor_variants():
 def _attention_plan_variants():
     """A decode step's plan as the model makes it (window 128, the newest slot given; int64
     positions and slots, int32 req_to_token, int64 full_to_swa): the ratio-4 launch with the
-    window folded in (every token a candidate, as captured) and the ratio-128 one (given
-    candidates, as an eager step)."""
+    window folded in (every token a candidate, as captured), also with its ring rows by SWA
+    page, and the ratio-128 one (given candidates, as an eager step)."""
     from . import attention_plan_triton as P
 
     sig = {"pos_ptr": "*i64", "req_ptr": "*i64", "seq_ptr": "*i64", "n_tokens": "i32",
@@ -231,17 +231,18 @@ def _attention_plan_variants():
            "ctx": "i32", "f2s_ptr": "*i64", "f2s_stride": "i32", "n_full": "i32",
            "swa_write_ptr": "*i32", "win_loc_ptr": "*i32", "win_valid_ptr": "*i1",
            "window": "i32", "cand_ptr": "*i64", "n_cand": "i32", "ratio": "i32", "ring": "i32",
-           "n_rows": "i32", "tokens_ptr": "*i64", "src_state_ptr": "*i64",
+           "ring_page": "i32", "n_rows": "i32", "tokens_ptr": "*i64", "src_state_ptr": "*i64",
            "src_new_ptr": "*i64", "has_prev_ptr": "*i1", "window_start_ptr": "*i64",
            "emit_loc_ptr": "*i64", "state_write_ptr": "*i64", "row_loc_ptr": "*i64",
            "row_valid_ptr": "*i1", "row_width_ptr": "*i64"}
 
-    def variant(window, candidates, ring):
+    def variant(window, candidates, ring, by_page=False):
         return P.attention_plan_kernel, sig, {
             "WINDOW": window, "SWA_WRITE": True, "PLAN": True, "CANDIDATES": candidates,
-            "BLOCK_W": 128, "BLOCK_RING": ring, "BLOCK_C": P.BLOCK_C}, P.LAUNCH_OPTIONS
+            "BY_PAGE": by_page, "BLOCK_W": 128, "BLOCK_RING": ring, "BLOCK_C": P.BLOCK_C}, P.LAUNCH_OPTIONS
 
     return {"attention_plan (window + c4)": variant(True, False, 8),
+            "attention_plan (window + c4, rings by SWA page)": variant(True, False, 8, True),
             "attention_plan (c128, given candidates)": variant(False, True, 128)}
 
 

@@ -59,8 +59,9 @@ def sglang_numerics(op: str, dialect: Fp8Dialect) -> N.StoreNumerics:
     return _numerics(op, dialect.name)
 
 
-def _keeps_sglang_setters(pool) -> str | None:
-    """Why `pool` is not a plain paged V4 pool (so SGLang's own setters stay), or None."""
+def not_plain_v4_pool(pool) -> str | None:
+    """Why `pool` is not a plain paged V4 pool, whose SWA rows our kernels write as SGLang
+    lays them out (else SGLang's own setters stay, and the monokernel refuses it), or None."""
     if getattr(pool, "request_window", None) is not None:
         return "its SWA KV lives in a request window"
     if getattr(pool, "uniform_fp8", False):
@@ -82,7 +83,7 @@ def _keeps_sglang_setters(pool) -> str | None:
 def _ours(pool) -> bool:
     decided = pool.__dict__.get("_dsv4_rocm_setters")
     if decided is None:
-        reason = _keeps_sglang_setters(pool)
+        reason = not_plain_v4_pool(pool)
         if reason:
             logger.warning("dsv4-rocm: this %s keeps SGLang's own SWA setters: %s",
                            POOL_CLASS, reason)

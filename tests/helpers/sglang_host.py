@@ -42,13 +42,22 @@ def install_cpu_context() -> None:
     get_context().override_server_args(device="cpu").install()
 
 
-def make_pool(swa_pages: int = 2, page_size: int = 256, layers=(0, 4, 128)):
-    """A real DeepSeekV4TokenToKVPool on the CPU (SGLang reserves one more SWA page)."""
+def make_pool(swa_pages: int = 2, page_size: int = 256, layers=(0, 4, 128),
+              full_tokens: int | None = None, max_num_reqs: int = 4):
+    """A real DeepSeekV4TokenToKVPool on the CPU (SGLang reserves one more SWA page). With
+    full_tokens, sized as SGLang's pool configurator sizes one for that many full tokens (C4 and
+    C128 rows full_tokens // 4 and // 128, a C4 state ring of 8 rows per SWA page, C128 state
+    rings per request slot); else a few pages of each."""
     from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
 
+    if full_tokens is None:
+        sizes = dict(c4_size=page_size, c128_size=8, c4_state_pool_size=64,
+                     c128_state_pool_size=512)
+    else:
+        sizes = dict(c4_size=full_tokens // 4, c128_size=full_tokens // 128,
+                     c4_state_pool_size=swa_pages * 8, c128_state_pool_size=0)
     return DeepSeekV4TokenToKVPool(
-        max_num_reqs=4, swa_size=swa_pages * page_size, c4_size=page_size, c128_size=8,
-        c4_state_pool_size=64, c128_state_pool_size=512, page_size=page_size,
+        max_num_reqs=max_num_reqs, swa_size=swa_pages * page_size, **sizes, page_size=page_size,
         swa_page_size=page_size, dtype=torch.float8_e4m3fn, c4_state_dtype=torch.float32,
         c128_state_dtype=torch.float32, qk_nope_head_dim=448, qk_rope_head_dim=64,
         indexer_head_dim=128, layer_num=len(layers), device="cpu", enable_memory_saver=False,

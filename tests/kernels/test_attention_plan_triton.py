@@ -2,7 +2,7 @@
 on decode steps: random batches over paged tables (positions near 0 and at page edges, stale and
 -1 table entries, more compressed rows than any token sees), with and without the given newest
 window slot, every token a candidate (a captured step) or only those closing a window (an eager
-one). A decode plan is one Triton launch per ratio and nothing else a GPU would run; an extend
+one), ring rows by request slot or by SWA page. A decode plan is one Triton launch per ratio and nothing else a GPU would run; an extend
 runs the torch body; the wrapper names a bad argument."""
 
 import pytest
@@ -41,11 +41,13 @@ def paged_tables(g, slots, ctx, page, n_full):
 
 
 def decode_args(seed, n=5, window=8, ratios=(4, 128), rings=(8, 128), ctx=512, page=64,
-                swa=True, closing_only=False, extra_rows=3, pos_dtype=torch.int64, past=0):
+                swa=True, closing_only=False, extra_rows=3, pos_dtype=torch.int64, past=0,
+                ring_pages=None):
     """A decode step's attention_plan arguments: n requests, positions from 0..3, page edges
     (page - 1, page, page + 1 and multiples) and anywhere below ctx + past; seq_lens mostly
     position + 1 (an engine's), some longer, around a ring's length past it (where the op starts
-    to skip the ring write)."""
+    to skip the ring write). ring_pages: per ratio, 0 (ring rows by request slot, the default)
+    or the SWA page size of its rings."""
     g = torch.Generator().manual_seed(seed)
     slots = n + 2
     req_to_token, full_to_swa = paged_tables(g, slots, ctx, page, 4 * slots * ctx)
@@ -63,7 +65,8 @@ def decode_args(seed, n=5, window=8, ratios=(4, 128), rings=(8, 128), ctx=512, p
               for r in ratios]
     n_rows = [-(-ctx // r) + extra_rows for r in ratios]
     args = (pos.to(pos_dtype), req, seq.to(pos_dtype), None, None, req_to_token,
-            full_to_swa, swa_write, window, list(ratios), list(rings), tokens, n_rows)
+            full_to_swa, swa_write, window, list(ratios), list(rings), tokens, n_rows,
+            [0] * len(ratios) if ring_pages is None else list(ring_pages))
     return to_device(args)
 
 
@@ -89,6 +92,34 @@ def assert_same_bytes(args):
 @pytest.mark.parametrize("closing_only", [False, True], ids=["every_token", "closing_only"])
 def test_a_decode_plan_is_the_torch_bodys_bytes(seed, swa, closing_only):
     assert_same_bytes(decode_args(seed, swa=swa, closing_only=closing_only))
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("closing_only", [False, True], ids=["every_token", "closing_only"])
+def test_ring_rows_by_swa_page(seed, closing_only):
+    """Rings per SWA page: each ring position's row from its SWA slot (stale, -1 and evicted
+    table entries included), one ratio by page and the other by request, or both by page."""
+    for pages in ((64, 0), (8, 128), (16, 256)):
+        assert_same_bytes(decode_args(20 + seed, closing_only=closing_only, ring_pages=pages))
+
+
+def test_ring_rows_by_swa_page_are_the_swa_pages_rings():
+    """The torch body's rows: (s // P) * R + s % R of the position's SWA slot s, where the ring
+    reads and where the token writes; padded rows (request 0, position 0) on SWA page 0's ring."""
+    page, ring = 16, 8
+    r2t = torch.arange(4 * 64).view(4, 64)              # request r's position p at r * 64 + p
+    f2s = torch.cat([torch.arange(4 * 64) + 3 * page, torch.tensor([-1])])
+    f2s[0] = 0                                          # location 0 maps to the dummy slot
+    pos, req = torch.tensor([0, 21, 40]), torch.tensor([0, 1, 3])
+    out = attention_plan_ref(pos, req, pos + 1, None, None, r2t, f2s, None, 4, [4], [ring],
+                             [None], [16], [page])
+    swa = lambda r, p: r * 64 + p + 3 * page if r * 64 + p else 0    # noqa: E731
+    row = lambda s: s // page * ring + s % ring                      # noqa: E731
+    src_state, state_write = out[3], out[8]
+    assert state_write.tolist() == [row(swa(r, p)) for r, p in zip(req.tolist(), pos.tolist())]
+    assert state_write[0] == 0
+    want = [row(swa(1, q)) if q < 21 else -1 for q in range(14, 22)]
+    assert src_state[1].tolist() == want
 
 
 @pytest.mark.parametrize("window", [1, 5, 128])
@@ -181,7 +212,9 @@ def _bad(index, value):
     ("full_to_swa", 6, lambda a: a[6][:, None]),
     ("swa_write_loc", 7, lambda a: a[7][:-1]),
     ("window", 8, 0),
-    ("ratios, rings, tokens and n_rows", 12, lambda a: a[12][:1]),
+    ("ratios, rings, tokens, n_rows and ring_pages", 12, lambda a: a[12][:1]),
+    ("ring_pages", 13, [12, 0]),
+    ("ring_pages", 13, [-8, 0]),
 ])
 def test_bad_arguments_are_named(name, index, value):
     with pytest.raises((TypeError, ValueError), match=name):
