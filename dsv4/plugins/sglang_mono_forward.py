@@ -6,7 +6,7 @@ project's model from the load hook's copies (`sglang_mono_weights`). `DecodeMono
 then runs each covered decode step: SGLang's dispatcher calls it with `Plan(key)` and the model
 forward's own arguments `(input_ids, positions, forward_batch)`. It reads SGLang's KV pool and
 request table through the forward context (`get_token_to_kv_pool()`, `get_req_to_token_pool()`),
-runs the decoder over them (`sglang_mono_pool.SGLangPoolView`: SGLang's buffers, written in place
+runs the decoder over them (`sglang_mono_pool.SGLangMonoPool`: SGLang's buffers, written in place
 in SGLang's layout), and returns SGLang's `LogitsProcessorOutput` with fp32 logits [rows, vocab].
 
 It is capturable: its shapes follow the plan's batch size and the request table's width (the
@@ -25,6 +25,7 @@ import torch
 from ..forward_batch import ForwardBatch, ForwardMode
 from ..options import Options
 from .sglang_mono_checks import hf_dict, model_config
+from .sglang_mono_pool import SGLangMonoPool
 from .sglang_mono_weights import build_model, max_seq_len, rank_split, weight_format
 
 logger = logging.getLogger(__name__)
@@ -37,15 +38,15 @@ class DecodeMonokernel:
         self.model = model
         self.options = options
         self.widths = tuple(widths)
-        self._views: dict[int, object] = {}
+        self._views: dict[int, SGLangMonoPool] = {}
 
-    def pool_view(self, pool):
-        """The view of SGLang's pool, made once per pool object."""
-        from .sglang_mono_pool import SGLangPoolView
-
+    def pool_view(self, pool) -> SGLangMonoPool:
+        """The view of SGLang's pool, made once per pool object (the layers keep views of the
+        buffers of the pool object they are given)."""
         view = self._views.get(id(pool))
         if view is None or view.pool is not pool:
-            view = self._views[id(pool)] = SGLangPoolView(pool)
+            c = self.model.config
+            view = self._views[id(pool)] = SGLangMonoPool(pool, c.compress_ratios[:c.n_layers])
         return view
 
     @torch.no_grad()

@@ -185,7 +185,8 @@ def test_different_signatures_patch_nothing(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="dsv4"):
         plugin.register()
     assert {k: list(v) for k, v in HookRegistry._hooks.items()} == before
-    lines = [r for r in caplog.records if r.name.startswith("dsv4")]
+    lines = [r for r in caplog.records
+             if r.name.startswith("dsv4") and "monokernel" not in r.getMessage()]
     assert len(lines) == 1 and "not patched" in lines[0].getMessage()
     assert "set_swa_key_buffer_radix_fused('self', 'layer_id', 'loc', 'k') differs" in caplog.text
 
