@@ -39,6 +39,9 @@ HF_ALIASES = {
     "rms_norm_eps": "norm_eps",
     "num_nextn_predict_layers": "n_mtp_layers",
 }
+# Where a Hugging Face config keeps YaRN's parameters: rope_scaling in config.json, rope_parameters
+# in a transformers (>= 5) config object.
+ROPE_SCALING_KEYS = ("rope_scaling", "rope_parameters")
 # rope_scaling sub-keys (Hugging Face) -> reference name.
 HF_ROPE_SCALING = {
     "factor": "rope_factor",
@@ -108,14 +111,14 @@ class ModelConfig:
         """Build from reference or Hugging Face names; unknown keys are logged as a warning and
         ignored. A dict holding no model key at all is refused: ``source`` (the file) names it."""
         names = {f.name for f in dataclasses.fields(cls)}
-        if not any(key == "rope_scaling" or HF_ALIASES.get(key, key) in names for key in d):
+        if not any(key in ROPE_SCALING_KEYS or HF_ALIASES.get(key, key) in names for key in d):
             raise ValueError(f"{source}: no DeepSeek-V4 model key in it (expected keys such as "
                              f"{', '.join(EXPECTED_KEYS)}); found: "
                              f"{', '.join(sorted(d)) or 'nothing'}")
         values: dict[str, Any] = {}
         unknown = []
         for key, value in d.items():
-            if key == "rope_scaling":
+            if key in ROPE_SCALING_KEYS:
                 values.update(_rope_scaling(value))
                 continue
             name = HF_ALIASES.get(key, key)

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..config import HF_ALIASES, ModelConfig
+from ..config import HF_ALIASES, ROPE_SCALING_KEYS, ModelConfig
 from ..parallel.split import split_problem
 from ..weights.formats import native_problem
 from .sglang_mono_weights import copied_bytes, copy_bytes, max_seq_len, weight_format
@@ -43,7 +43,7 @@ def model_config(hf_config: Any) -> ModelConfig:
     """This project's ModelConfig of SGLang's hf_config (a ValueError names a bad field). Only
     the model's own keys are read: a transformers config also carries generic ones."""
     known = {f.name for f in dataclasses.fields(ModelConfig)} | set(HF_ALIASES) | {
-        "rope_scaling", "num_key_value_heads", "qk_nope_head_dim", "v_head_dim"}
+        *ROPE_SCALING_KEYS, "num_key_value_heads", "qk_nope_head_dim", "v_head_dim"}
     d = {k: v for k, v in hf_dict(hf_config).items() if k in known}
     return ModelConfig.from_dict(d, source="hf_config")
 

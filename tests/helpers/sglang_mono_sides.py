@@ -115,6 +115,7 @@ def sglang_side(model, n):
     r2t = SGLangReqToTokenPool(MAX_REQS, MAX_CTX, "cpu", False)
     slots = r2t.alloc_rows(n + 1)
     side = Side(SGLangMonoPool(pool, ratios), allocator, r2t.req_to_token, slots[:1], True)
+    side.r2t_pool = r2t
     side.take([300])
     side.slots = slots[1:]
     return side
