@@ -160,6 +160,18 @@ def sglang_decode_batch(ids, locs, side, pad_to=None):
     return batch
 
 
+def padded_batch(width):
+    """The static inputs SGLang's graph runner captures over: padded rows only."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    seq = torch.ones(width, dtype=torch.long)
+    zeros = torch.zeros(width, dtype=torch.long)
+    return ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=width, input_ids=zeros.clone(),
+                        req_pool_indices=zeros.clone(), seq_lens=seq, out_cache_loc=zeros.clone(),
+                        seq_lens_sum=width, seq_lens_cpu=seq.clone(), positions=zeros.clone(),
+                        orig_seq_lens=seq.clone())
+
+
 def engine_decode_batch(ids, locs, side):
     """The same step as this project's engine gives its model (its own ForwardBatch)."""
     lens = torch.tensor(side.lens)
@@ -212,3 +224,75 @@ def test_decode_steps_through_sglangs_dispatch_are_the_engines_bits(
         assert torch.equal(got.view(torch.int32), want.view(torch.int32))
     assert model.standard_steps == []
     assert_same_kv(reference, ours, theirs)
+
+
+def test_every_declared_width_captures_without_a_host_read(sglang_runtime, checkpoint,
+                                                            hf_config):
+    """Under this project's graph emulation (which refuses host reads and data-dependent
+    shapes), SGLang's wrapped forward captures at every width the spec declares, as SGLang's
+    graph runner captures: over static inputs holding padded rows only, after a warm-up run. At
+    widths 1 and 3, the graph replayed over a live step (one request, the rest padded) gives the
+    logits that step computes eagerly."""
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+    model = install(sglang_runtime, checkpoint, hf_config)
+    reference = load_model(checkpoint, options=TORCH, weights="bf16")
+    side = sglang_side(reference, 1)
+    prefill(reference, side, [130], seed=4)
+    backend = AttentionBackend(side.pool.pool, side.r2t_pool)
+    live = sglang_decode_batch([7], side.grow(), side, pad_to=3)
+    with forward_context(ForwardContext(attn_backend=backend)):
+        for width in mono.WIDTHS:
+            static = padded_batch(width)
+            model.forward(static.input_ids, static.positions, static)  # warm-up
+            with graph(EmulatedGraph()) as g:
+                out = model.forward(static.input_ids, static.positions, static)
+            assert out.next_token_logits.shape == (width, reference.config.vocab_size)
+            if width in (1, 3):
+                for name in ("input_ids", "positions", "req_pool_indices", "seq_lens",
+                             "out_cache_loc"):
+                    getattr(static, name).copy_(getattr(live, name)[:width])
+                g.replay()
+                replayed = out.next_token_logits[:1].clone()
+                eager = model.forward(static.input_ids, static.positions, static)
+                assert torch.equal(replayed, eager.next_token_logits[:1])
+    assert model.standard_steps == []
+
+
+def test_bad_steps_are_refused_by_name(sglang_runtime, checkpoint, hf_config):
+    from sglang.kernels.plugin_kernels.amd.spec import Plan, ShapeKey
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+    install(sglang_runtime, checkpoint, hf_config)
+    built = mono.SPEC.build  # the spec's build, called again for its object
+    reference = load_model(checkpoint, options=TORCH, weights="bf16")
+    side = sglang_side(reference, 1)
+    prefill(reference, side, [20], seed=4)
+    batch = sglang_decode_batch([7], side.grow(), side)
+    copies = {}
+    for name, t in checkpoint_tensors(checkpoint):
+        mono.SPEC.load_tensor(copies, StandardPath(hf_config), name, t)
+    from sglang.kernels.plugin_kernels.amd.spec import BuildContext
+
+    kernels = built(StandardPath(hf_config), hf_config,
+                    BuildContext(isa="gfx942", widths=(1,), deadline_s=5.0, copies=copies))
+    key = ShapeKey(forward_mode="decode", batch_size=1, tokens_per_request=1)
+    backend = AttentionBackend(side.pool.pool, side.r2t_pool)
+    with forward_context(ForwardContext(attn_backend=backend)):
+        with pytest.raises(ValueError, match="plan.key: this monokernel runs decode steps"):
+            kernels.forward(Plan(key=ShapeKey(forward_mode="target_verify", batch_size=1,
+                                              tokens_per_request=1)),
+                            batch.input_ids, batch.positions, batch)
+        with pytest.raises(ValueError, match="input_ids: 1 rows, plan.key.batch_size is 2"):
+            kernels.forward(Plan(key=ShapeKey(forward_mode="decode", batch_size=2,
+                                              tokens_per_request=1)),
+                            batch.input_ids, batch.positions, batch)
+        with pytest.raises(ValueError, match="input_embeds / pp_proxy_tensors"):
+            kernels.forward(Plan(key=key), batch.input_ids, batch.positions, batch,
+                            input_embeds=torch.zeros(1, 64))
+        kernels.model.max_seq_len = MAX_CTX - 1
+        with pytest.raises(ValueError, match=f"req_to_token: contexts of up to {MAX_CTX} "):
+            kernels.forward(Plan(key=key), batch.input_ids, batch.positions, batch)
+    with pytest.raises(ValueError, match="copies: no checkpoint tensor was kept at load"):
+        built(StandardPath(hf_config), hf_config,
+              BuildContext(isa="gfx942", widths=(1,), deadline_s=5.0, copies={}))
