@@ -100,15 +100,16 @@ class RingRowCapture:
         self.states.setdefault(table, {})[layer_id] = new[self.rows].clone()
 
 
-def run_compressor(comp: Compressor, x: torch.Tensor, positions: torch.Tensor, plan: CompressPlan,
-                   state: torch.Tensor, store, freqs_cis: torch.Tensor, reference: bool,
+def run_compressor(comp: Compressor, x: torch.Tensor, plan: CompressPlan, state: torch.Tensor,
+                   store, freqs_cis: torch.Tensor, reference: bool,
                    kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
     """One step of a compressor (two ops and the store): pool every candidate's window (rows
-    from the state ring or from this step), keep this step's (kv, score) rows in the ring, emit
-    the boundary rows through ``store(rows, loc)`` (negative loc = skip). state: fp32 [ring rows, 2 * width];
-    reference: the reference numerics; kernel: the two ops' kernel options. Returns this step's
-    (kv, score) rows [N, 2 * width], the rows a ring would keep."""
-    new = comp.project(x, positions, kernel)
+    from the state ring or from this step, the position bias added to their scores), keep this
+    step's (kv, score) rows in the ring, emit the boundary rows through ``store(rows, loc)``
+    (negative loc = skip). state: fp32 [ring rows, 2 * width]; reference: the reference
+    numerics; kernel: the two ops' kernel options. Returns this step's (kv, score) rows
+    [N, 2 * width] (score: the raw gate output), the rows a ring would keep."""
+    new = comp.project(x, kernel)
     out = comp.update(new, state, plan, freqs_cis, x.dtype, reference, kernel)
     if plan.tokens.numel():              # a shape, known on the host: no window closes here
         store(out, plan.emit_loc)
@@ -262,10 +263,9 @@ class PagedAttention:
         """Everything on the current stream: Q, window KV store, compressors. (q, qr)."""
         q, qr = self.project_q_store_kv(y, batch, meta, options, pool, caches, freqs_cis)
         if self.ratio:
-            self._run_compressor(y, batch, meta, options, caches, freqs_cis, ring_capture)
+            self._run_compressor(y, meta, options, caches, freqs_cis, ring_capture)
         if self.attn.indexer is not None:
-            self._run_indexer_compressor(y, batch, meta, options, caches, freqs_cis,
-                                         ring_capture)
+            self._run_indexer_compressor(y, meta, options, caches, freqs_cis, ring_capture)
         return q, qr
 
     def prepare_multi_stream(self, y, batch, meta, options, pool, caches, freqs_cis,
@@ -278,11 +278,10 @@ class PagedAttention:
             s.wait_stream(main)                       # y is ready
         if self.ratio:
             with streams.on_stream(side[0]):
-                self._run_compressor(y, batch, meta, options, caches, freqs_cis, ring_capture)
+                self._run_compressor(y, meta, options, caches, freqs_cis, ring_capture)
         if self.attn.indexer is not None:
             with streams.on_stream(side[1]):
-                self._run_indexer_compressor(y, batch, meta, options, caches, freqs_cis,
-                                             ring_capture)
+                self._run_indexer_compressor(y, meta, options, caches, freqs_cis, ring_capture)
         q, qr = self.project_q_store_kv(y, batch, meta, options, pool, caches, freqs_cis)
         for s in side:
             main.wait_stream(s)
@@ -293,15 +292,15 @@ class PagedAttention:
             self._streams = (streams.new_stream(device), streams.new_stream(device))
         return self._streams
 
-    def _run_compressor(self, y, batch, meta, options, caches, freqs_cis, ring_capture):
-        new = run_compressor(self.attn.compressor, y, batch.positions, meta.plans[self.ratio],
+    def _run_compressor(self, y, meta, options, caches, freqs_cis, ring_capture):
+        new = run_compressor(self.attn.compressor, y, meta.plans[self.ratio],
                              caches.state, store_compressed(caches, options.kernel),
                              freqs_cis, options.reference, options.kernel)
         if self.ratio == 4 and ring_capture is not None:
             ring_capture.keep("compressor_state", self.layer_id, new)
 
-    def _run_indexer_compressor(self, y, batch, meta, options, caches, freqs_cis, ring_capture):
-        new = run_compressor(self.attn.indexer.compressor, y, batch.positions, meta.plans[4],
+    def _run_indexer_compressor(self, y, meta, options, caches, freqs_cis, ring_capture):
+        new = run_compressor(self.attn.indexer.compressor, y, meta.plans[4],
                              caches.index_state, store_index_keys(caches, options.kernel),
                              freqs_cis, options.reference, options.kernel)
         if ring_capture is not None:

@@ -1,19 +1,21 @@
 """The Triton kernels of `compressor_update`: the projection, and the update as two launches.
 
 compressor_project: one program per (block of BLOCK_M tokens, half, block of BLOCK_N columns),
-half 0 = kv (x @ wkv^T), half 1 = score (x @ wgate^T + ape[pos % ratio], the ape row added to
-the fp32 dot's result). The K loop runs IEEE-fp32 `tl.dot`s on x cast to fp32; at decode one
-program row-block covers all the step's tokens, so each weight column is read once.
+half 0 = kv (x @ wkv^T), half 1 = score (x @ wgate^T, the raw gate output: the ring keeps no
+position bias). The K loop runs IEEE-fp32 `tl.dot`s on x cast to fp32; at decode one program
+row-block covers all the step's tokens, so each weight column is read once.
 
 compressor_update, two launches on the stream:
 1. pool + finish, one program per candidate window: BLOCK_R of its rows at a time, each from
    this step's rows (src_new >= 0) or the ring (state[max(src_state, 0)], as the reference
    gathers), per channel the kv entry and its score (with overlap, rows before `ratio` give
-   their first head_dim channels, the others their second; a missing previous window's rows are
-   kv 0, score -inf); an online softmax (running max, rescaled sums) gives sum(kv * p) / sum(p);
-   then, in registers, the rounding to the model dtype, RMSNorm, RoPE at the window's first
-   position and (rotate) the Hadamard butterflies * D^-0.5 and the FP4 simulation, each rounded
-   to the dtype where the reference rounds (`activation_sim_triton`, `rotary_triton`).
+   their first head_dim channels, the others their second), the score plus the position bias
+   ape[j % ratio] of the window's j-th row (one fp32 add, the reference's); a missing previous
+   window's rows are kv 0, score -inf (masked after the add); an online softmax (running max,
+   rescaled sums) gives sum(kv * p) / sum(p); then, in registers, the rounding to the model
+   dtype, RMSNorm, RoPE at the window's first position and (rotate) the Hadamard butterflies
+   * D^-0.5 and the FP4 simulation, each rounded to the dtype where the reference rounds
+   (`activation_sim_triton`, `rotary_triton`).
 2. ring write, one program per (token, block of columns): new's row copied (fp32 bits) to
    state[state_write], the scratch row (the ring's last) where it is -1, as the reference's
    index_copy_ does.
@@ -52,8 +54,8 @@ NEG_INF = tl.constexpr(float("-inf"))
 
 
 @triton.jit
-def compressor_project_kernel(x_ptr, wkv_ptr, wgate_ptr, ape_ptr, pos_ptr, out_ptr, n_rows,
-                              dim, width, ratio, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def compressor_project_kernel(x_ptr, wkv_ptr, wgate_ptr, out_ptr, n_rows, dim, width,
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                               BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     gate = tl.program_id(1) == 1
@@ -73,18 +75,14 @@ def compressor_project_kernel(x_ptr, wkv_ptr, wgate_ptr, ape_ptr, pos_ptr, out_p
         b = tl.load(w_ptr + cols[None, :].to(tl.int64) * dim + k[:, None],
                     mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision="ieee")
-    if gate:
-        phase = tl.load(pos_ptr + rows, mask=row_ok, other=0) % ratio
-        phase = tl.where(phase < 0, phase + ratio, phase)       # Python's % (positions >= 0)
-        acc += tl.load(ape_ptr + phase[:, None] * width + cols[None, :],
-                       mask=row_ok[:, None] & col_ok[None, :], other=0.0)
     out = out_ptr + rows[:, None].to(tl.int64) * (2 * width) + gate.to(tl.int32) * width
     tl.store(out + cols[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
 def pool_finish_kernel(new_ptr, new_stride, state_ptr, state_stride, src_state_ptr, src_new_ptr,
-                       has_prev_ptr, window_start_ptr, freq_ptr, w_ptr, out_ptr, n_src, eps,
+                       has_prev_ptr, window_start_ptr, ape_ptr, freq_ptr, w_ptr, out_ptr, n_src,
+                       eps,
                        HEAD_DIM: tl.constexpr, RATIO: tl.constexpr, OVERLAP: tl.constexpr,
                        ROPE_DIM: tl.constexpr, ROTATE: tl.constexpr, BLOCK_R: tl.constexpr):
     m = tl.program_id(0).to(tl.int64)
@@ -105,15 +103,13 @@ def pool_finish_kernel(new_ptr, new_stride, state_ptr, state_stride, src_state_p
             col = tl.broadcast_to(c[None, :], [BLOCK_R, HEAD_DIM])
         sn = tl.load(src_new_ptr + m * n_src + r, mask=keep, other=-1).to(tl.int64)
         ss = tl.load(src_state_ptr + m * n_src + r, mask=keep, other=0).to(tl.int64)
-        from_new = (sn >= 0)[:, None]
-        at_new = new_ptr + sn[:, None] * new_stride + col
-        at_state = state_ptr + tl.maximum(ss, 0)[:, None] * state_stride + col
-        m_new = keep[:, None] & from_new
-        m_state = keep[:, None] & ~from_new
-        kv = tl.where(from_new, tl.load(at_new, mask=m_new, other=0.0),
-                      tl.load(at_state, mask=m_state, other=0.0))
-        s = tl.where(from_new, tl.load(at_new + WIDTH, mask=m_new, other=NEG_INF),
-                     tl.load(at_state + WIDTH, mask=m_state, other=NEG_INF))
+        row = tl.where(sn >= 0, new_ptr + sn * new_stride,
+                       state_ptr + tl.maximum(ss, 0) * state_stride)
+        at = row[:, None] + col
+        kv = tl.load(at, mask=keep[:, None], other=0.0)
+        s = tl.load(at + WIDTH, mask=keep[:, None], other=NEG_INF)
+        s += tl.load(ape_ptr + (r % RATIO)[:, None] * WIDTH + col, mask=keep[:, None],
+                     other=0.0)                          # a dropped row stays -inf
         top = tl.maximum(run_max, tl.max(s, axis=0))
         shift = tl.where(top == NEG_INF, 0.0, top)       # no finite score yet: nothing to scale
         p = tl.exp(s - shift[None, :])
@@ -148,20 +144,20 @@ def ring_write_kernel(new_ptr, new_stride, state_ptr, state_stride, write_ptr, s
              tl.load(new_ptr + t * new_stride + cols, mask=ok), mask=ok)
 
 
-def compressor_project_triton(x, wkv, wgate, ape, positions, ratio):
+def compressor_project_triton(x, wkv, wgate):
     n, dim = x.shape
     width = wkv.shape[0]
     out = torch.empty(n, 2 * width, dtype=torch.float32, device=x.device)
     if n and width:
         grid = (triton.cdiv(n, PROJECT_BLOCK_M), 2, triton.cdiv(width, PROJECT_BLOCK_N))
-        compressor_project_kernel[grid](x, wkv, wgate, ape, positions, out, n, dim, width, ratio,
+        compressor_project_kernel[grid](x, wkv, wgate, out, n, dim, width,
                                         BLOCK_M=PROJECT_BLOCK_M, BLOCK_N=PROJECT_BLOCK_N,
                                         BLOCK_K=PROJECT_BLOCK_K, **LAUNCH_OPTIONS)
     return out
 
 
 def compressor_update_triton(new, state, src_state, src_new, has_prev, window_start, state_write,
-                             freqs_table, norm_weight, eps, ratio, head_dim, rope_dim, overlap,
+                             ape, freqs_table, norm_weight, eps, ratio, head_dim, rope_dim, overlap,
                              rotate, reference, dtype):
     """The op's triton backend. reference changes nothing here: the rotation is the reference's
     butterflies in both numerics (as `indexer_query`'s kernel)."""
@@ -170,7 +166,7 @@ def compressor_update_triton(new, state, src_state, src_new, has_prev, window_st
     if m:
         pool_finish_kernel[(m,)](
             new, new.stride(0), state, state.stride(0), src_state.contiguous(),
-            src_new.contiguous(), has_prev, window_start, torch.view_as_real(freqs_table),
+            src_new.contiguous(), has_prev, window_start, ape, torch.view_as_real(freqs_table),
             norm_weight, out, n_src, eps, HEAD_DIM=head_dim, RATIO=ratio, OVERLAP=overlap,
             ROPE_DIM=rope_dim, ROTATE=rotate, BLOCK_R=BLOCK_R, **pool_launch_options(head_dim))
     n = new.shape[0]

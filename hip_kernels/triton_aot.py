@@ -192,12 +192,12 @@ def _compressor_variants():
     compressors and of the indexer's (head_dim 128, overlap, rotate), the ring write."""
     from . import compressor_update_triton as C
 
-    project = {"x_ptr": "*bf16", "wkv_ptr": "*fp32", "wgate_ptr": "*fp32", "ape_ptr": "*fp32",
-               "pos_ptr": "*i64", "out_ptr": "*fp32", "n_rows": "i32", "dim": "i32:D",
-               "width": "i32:D", "ratio": "i32"}
+    project = {"x_ptr": "*bf16", "wkv_ptr": "*fp32", "wgate_ptr": "*fp32", "out_ptr": "*fp32",
+               "n_rows": "i32", "dim": "i32:D", "width": "i32:D"}
     pool = {"new_ptr": "*fp32", "new_stride": "i32:D", "state_ptr": "*fp32",
             "state_stride": "i32:D", "src_state_ptr": "*i64", "src_new_ptr": "*i64",
-            "has_prev_ptr": "*i1", "window_start_ptr": "*i64", "freq_ptr": "*fp32",
+            "has_prev_ptr": "*i1", "window_start_ptr": "*i64", "ape_ptr": "*fp32",
+            "freq_ptr": "*fp32",
             "w_ptr": "*fp32", "out_ptr": "*bf16", "n_src": "i32", "eps": "fp32"}
     ring = {"new_ptr": "*fp32", "new_stride": "i32:D", "state_ptr": "*fp32",
             "state_stride": "i32:D", "write_ptr": "*i64", "scratch_row": "i64", "n_cols": "i32:D"}

@@ -8,6 +8,10 @@ averaged with softmax(score) weights:
 - ratio 4 (CSA, "overlap"): rows are 2 x d wide, [A | B]; the pool runs over 8 entries, the
   previous window's A halves and the current window's B halves (no previous window: B only).
 
+The state ring keeps each token's ``kv_t`` and its raw gate output ``wgate(x_t)``; the position
+bias ``ape`` is added when a window is pooled (SGLang's ring holds the same, so a ring either
+one wrote can be pooled by the other).
+
 The pooled row is rounded to the model dtype, RMSNorm-ed, rotated at the window's first position
 and, for the indexer's compressor (``rotate=True``), Hadamard-rotated and FP4-simulated. The row
 is then stored at compressed index ``t // ratio``; the FP8 simulation of attention rows is the
@@ -53,21 +57,22 @@ class Compressor(nn.Module):
         """Rows one pool reads: previous + current window with overlap, else one window."""
         return self.coff * self.ratio
 
-    def project(self, x: torch.Tensor, positions: torch.Tensor,
+    def project(self, x: torch.Tensor,
                 kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
-        """This step's rows [N, 2 * coff*d]: kv | score (ape included), fp32 (one op,
-        ``hip_kernels.compressor_project``)."""
-        return compressor_project(x, self.wkv.weight, self.wgate.weight, self.ape, positions,
-                                  self.ratio, kernel=kernel)
+        """This step's rows [N, 2 * coff*d]: kv | score (the raw gate output, ape not added:
+        the row the ring keeps), fp32 (one op, ``hip_kernels.compressor_project``)."""
+        return compressor_project(x, self.wkv.weight, self.wgate.weight, kernel=kernel)
 
     def update(self, new: torch.Tensor, state: torch.Tensor, plan, freqs_cis: torch.Tensor,
                dtype: torch.dtype, reference: bool,
                kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
         """Compressed rows [M, d] in dtype of the plan's candidate windows (pooled from the
-        ring state and this step's rows new, then finished: see the module docstring), and new
-        kept in the ring at plan.state_write; one op (``hip_kernels.compressor_update``).
+        ring state and this step's rows new, ape added to their scores, then finished: see the
+        module docstring), and new kept in the ring at plan.state_write; one op
+        (``hip_kernels.compressor_update``).
         freqs_cis: the layer's RoPE table; reference: the reference numerics."""
-        return compressor_update(new, state, plan, freqs_cis, self.norm.weight, self.norm.eps,
+        return compressor_update(new, state, plan, self.ape, freqs_cis, self.norm.weight,
+                                 self.norm.eps,
                                  ratio=self.ratio, head_dim=self.head_dim,
                                  rope_dim=self.rope_dim, overlap=self.overlap,
                                  rotate=self.rotate, reference=reference, dtype=dtype,

@@ -100,8 +100,9 @@ def test_bad_arguments_are_refused(call, match):
 
 def test_compressor_ops_are_the_unfused_chain():
     """A ratio-4 (overlap) indexer compressor: two candidate windows, one without a previous
-    window; the ring keeps the new rows after the pool has read the old ones (ring row 0 is
-    both read and overwritten)."""
+    window; the ring keeps the new rows (the raw gate output as score) after the pool has read
+    the old ones (ring row 0 is both read and overwritten); the pool adds the window row j's
+    position bias ape[j % ratio] to its score."""
     from types import SimpleNamespace
 
     from hip_kernels.compressor_update import (compressor_project, compressor_update,
@@ -112,10 +113,9 @@ def test_compressor_ops_are_the_unfused_chain():
     wkv, wgate = randn(width, dim, seed=7, dtype=torch.float32), randn(width, dim, seed=8,
                                                                        dtype=torch.float32)
     ape = randn(ratio, width, seed=9, dtype=torch.float32)
-    pos = torch.tensor([3, 7, 4, 5])
-    new = compressor_project(x, wkv, wgate, ape, pos, ratio)
+    new = compressor_project(x, wkv, wgate)
     xf = x.float()
-    assert torch.equal(new, torch.cat([xf @ wkv.T, xf @ wgate.T + ape[pos % ratio]], 1))
+    assert torch.equal(new, torch.cat([xf @ wkv.T, xf @ wgate.T], 1))
 
     state = randn(17, 2 * width, seed=10, dtype=torch.float32)
     plan = SimpleNamespace(src_state=torch.tensor([[0, 1, 2, 3, 4, 5, 6, -1], [-1] * 8]),
@@ -127,15 +127,16 @@ def test_compressor_ops_are_the_unfused_chain():
     before = state.clone()
     rows = torch.where((plan.src_new >= 0).unsqueeze(-1), new[plan.src_new.clamp(min=0)],
                        before[plan.src_state.clamp(min=0)])
-    pooled = pool_windows(rows[..., :width], rows[..., width:], plan.has_prev, d, ratio, True)
+    score = rows[..., width:] + ape[torch.arange(2 * ratio) % ratio]
+    pooled = pool_windows(rows[..., :width], score, plan.has_prev, d, ratio, True)
     want = finish_rows(pooled, w, 1e-6, table[plan.window_start], rope, True, torch.bfloat16,
                        True)
-    got = compressor_update(new, state, plan, table, w, 1e-6, ratio=ratio, head_dim=d,
+    got = compressor_update(new, state, plan, ape, table, w, 1e-6, ratio=ratio, head_dim=d,
                             rope_dim=rope, overlap=True, rotate=True, reference=True,
                             dtype=torch.bfloat16)
     assert torch.equal(got, want)
     assert torch.equal(state[[0, 9, 10]], new[[0, 2, 3]]) and torch.equal(state[1:9], before[1:9])
-    assert op_names(lambda: compressor_update(new, state, plan, table, w, 1e-6, ratio=ratio,
+    assert op_names(lambda: compressor_update(new, state, plan, ape, table, w, 1e-6, ratio=ratio,
                                               head_dim=d, rope_dim=rope, overlap=True,
                                               rotate=True, reference=True,
                                               dtype=torch.bfloat16)) == ["dsv4::compressor_update"]

@@ -1,6 +1,7 @@
 """The compressor's two fused ops on their Triton kernels (interpreted on a CPU) against the
 torch references: the projection and the pooled, finished rows to a stated tolerance, the ring
-write byte for byte (every ring row but the scratch row, see `ring_after`)."""
+write byte for byte (every ring row but the scratch row, see `ring_after`). The ring keeps the
+raw gate output; the position bias is added at the pool."""
 
 import pytest
 import torch
@@ -44,14 +45,14 @@ def ring_after(plan, state, new, kernel, **kw):
     """(compressed rows, the ring after the op) on a copy of state; the scratch row (the ring's
     last, where every -1 write lands in some order) is dropped."""
     ring = state.clone()
-    out = compressor_update(new, ring, plan, kw.pop("table"), kw.pop("w"), EPS, kernel=kernel,
-                            **kw)
+    out = compressor_update(new, ring, plan, kw.pop("ape"), kw.pop("table"), kw.pop("w"), EPS,
+                            kernel=kernel, **kw)
     return out, ring[:-1]
 
 
-def update_kw(d, ratio, rope, overlap, rotate, reference, table, w):
+def update_kw(d, ratio, rope, overlap, rotate, reference, ape, table, w):
     return dict(ratio=ratio, head_dim=d, rope_dim=rope, overlap=overlap, rotate=rotate,
-                reference=reference, dtype=torch.bfloat16, table=table, w=w)
+                reference=reference, dtype=torch.bfloat16, ape=ape, table=table, w=w)
 
 
 # ratio 4 with overlap (rows [A | B], 8-row windows); ratio 16 without (two BLOCK_R steps)
@@ -89,8 +90,8 @@ def test_triton_update_matches_the_reference(d, rope, ratio, overlap, rotate, re
     n = len(plan["state_write"])
     x, wkv, wgate, ape, state, table, w = tensors(n, 64, width, ratio, 24, 32, rope, d, seed=d)
     p = Plan(coff * ratio, **plan)
-    new = compressor_project(x, wkv, wgate, ape, torch.arange(n, device=DEV) + 3, ratio)
-    kw = update_kw(d, ratio, rope, overlap, rotate, reference, table, w)
+    new = compressor_project(x, wkv, wgate)
+    kw = update_kw(d, ratio, rope, overlap, rotate, reference, ape, table, w)
     want, want_ring = ring_after(p, state, new, TORCH, **dict(kw))
     got, got_ring = ring_after(p, state, new, TRITON, **dict(kw))
     assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
@@ -115,8 +116,9 @@ def test_fp32_rows_show_the_pool_agrees_to_fp32_rounding(ratio, overlap, plan):
     width, n = (2 if overlap else 1) * d, len(plan["state_write"])
     x, wkv, wgate, ape, state, table, w = tensors(n, 64, width, ratio, 24, 32, rope, d, seed=7)
     p = Plan(width // d * ratio, **plan)
-    new = compressor_project(x, wkv, wgate, ape, torch.arange(n, device=DEV), ratio)
-    kw = {**update_kw(d, ratio, rope, overlap, False, True, table, w), "dtype": torch.float32}
+    new = compressor_project(x, wkv, wgate)
+    kw = {**update_kw(d, ratio, rope, overlap, False, True, ape, table, w),
+          "dtype": torch.float32}
     want, _ = ring_after(p, state, new, TORCH, **dict(kw))
     got, _ = ring_after(p, state, new, TRITON, **dict(kw))
     scale = want.abs().amax(-1, keepdim=True)
@@ -124,13 +126,12 @@ def test_fp32_rows_show_the_pool_agrees_to_fp32_rounding(ratio, overlap, plan):
 
 
 def test_triton_projection_matches_the_reference():
-    """One fp32 dot over dim in Triton's block order (the reference: one fp32 GEMM), ape added
-    after: agreement to fp32 rounding of a dim-long sum."""
+    """One fp32 dot over dim in Triton's block order (the reference: one fp32 GEMM), no
+    position bias: agreement to fp32 rounding of a dim-long sum."""
     n, dim, width, ratio = 5, 96, 80, 4
-    x, wkv, wgate, ape, *_ = tensors(n, dim, width, ratio, 2, 2, 2, 2, seed=3)
-    pos = torch.tensor([0, 5, 6, 7, 130], device=DEV)
-    want = compressor_project(x, wkv, wgate, ape, pos, ratio, kernel=TORCH)
-    got = compressor_project(x, wkv, wgate, ape, pos, ratio, kernel=TRITON)
+    x, wkv, wgate, *_ = tensors(n, dim, width, ratio, 2, 2, 2, 2, seed=3)
+    want = compressor_project(x, wkv, wgate, kernel=TORCH)
+    got = compressor_project(x, wkv, wgate, kernel=TRITON)
     assert got.dtype == torch.float32 and got.shape == (n, 2 * width)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -139,13 +140,12 @@ def test_triton_projection_is_fp32_under_a_bf16_default_dtype():
     """A caller that sets torch's default dtype to bf16 (as the reference inference code does)
     still gets the fp32 rows the op documents, equal to the torch reference's."""
     n, dim, width, ratio = 3, 64, 32, 4
-    x, wkv, wgate, ape, *_ = tensors(n, dim, width, ratio, 2, 2, 2, 2, seed=4)
-    pos = torch.arange(n, device=DEV)
-    want = compressor_project(x, wkv, wgate, ape, pos, ratio, kernel=TORCH)
+    x, wkv, wgate, *_ = tensors(n, dim, width, ratio, 2, 2, 2, 2, seed=4)
+    want = compressor_project(x, wkv, wgate, kernel=TORCH)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
-        got = compressor_project(x, wkv, wgate, ape, pos, ratio, kernel=TRITON)
+        got = compressor_project(x, wkv, wgate, kernel=TRITON)
     finally:
         torch.set_default_dtype(default)
     assert got.dtype == torch.float32
@@ -155,10 +155,10 @@ def test_triton_projection_is_fp32_under_a_bf16_default_dtype():
 def test_bad_arguments_raise_naming_them():
     d, ratio = 64, 4
     x, wkv, wgate, ape, state, table, w = tensors(2, 64, 2 * d, ratio, 24, 32, 16, d, seed=1)
-    new = compressor_project(x, wkv, wgate, ape, torch.arange(2, device=DEV), ratio)
+    new = compressor_project(x, wkv, wgate)
     p = Plan(8, **NO_WINDOW)
     p.state_write = p.state_write[:2]
-    kw = update_kw(d, ratio, 16, True, True, True, table, w)
+    kw = update_kw(d, ratio, 16, True, True, True, ape, table, w)
     with pytest.raises(ValueError, match="new must have 2 \\* 1 \\* head_dim"):
         ring_after(p, state, new, TORCH, **{**kw, "overlap": False})
     with pytest.raises(TypeError, match="kernel must be a hip_kernels.KernelOptions"):
@@ -166,8 +166,13 @@ def test_bad_arguments_raise_naming_them():
     # the projection's fp32 rows, not a lower-precision copy of them
     with pytest.raises(TypeError, match="new must have dtype torch.float32"):
         ring_after(Plan(8, **NO_WINDOW), state, new.to(torch.bfloat16), TORCH, **kw)
+    # one position-bias row per phase of the window, as wide as the ring's score half
+    with pytest.raises(ValueError, match=r"ape must have shape \[4, 128\]"):
+        ring_after(p, state, new, TORCH, **{**kw, "ape": ape[:, :d]})
+    with pytest.raises(TypeError, match="ape must have dtype torch.float32"):
+        ring_after(p, state, new, TORCH, **{**kw, "ape": ape.bfloat16()})
     with pytest.raises(TypeError, match="kernel must be a hip_kernels.KernelOptions"):
-        compressor_project(x, wkv, wgate, ape, torch.arange(2, device=DEV), ratio, kernel=None)
+        compressor_project(x, wkv, wgate, kernel=None)
 
 
 @pytest.mark.parametrize("d,want", [(64, "triton"), (48, "torch")])
@@ -175,7 +180,7 @@ def test_the_update_runs_triton_where_the_kernel_covers_the_shape(d, want):
     """A head_dim that is not a power of two (the kernel holds a row in registers) runs the
     torch reference even when Triton is asked for."""
     x, wkv, wgate, ape, state, table, w = tensors(4, 64, d, 16, 24, 32, 16, d, seed=2)
-    new = compressor_project(x, wkv, wgate, ape, torch.arange(4, device=DEV), 16)
-    kw = update_kw(d, 16, 16, False, False, True, table, w)
+    new = compressor_project(x, wkv, wgate)
+    kw = update_kw(d, 16, 16, False, False, True, ape, table, w)
     assert backends(lambda: ring_after(Plan(16, **NO_WINDOW), state, new, TRITON, **kw),
                     "dsv4::compressor_update") == [want]
