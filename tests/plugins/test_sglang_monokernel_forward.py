@@ -296,3 +296,52 @@ def test_bad_steps_are_refused_by_name(sglang_runtime, checkpoint, hf_config):
     with pytest.raises(ValueError, match="copies: no checkpoint tensor was kept at load"):
         built(StandardPath(hf_config), hf_config,
               BuildContext(isa="gfx942", widths=(1,), deadline_s=5.0, copies={}))
+
+
+@pytest.fixture(scope="module")
+def native_checkpoint(tmp_path_factory):
+    """The small preset in the published formats (FP8 attention and shared expert, FP4 routed
+    experts), Hugging Face names."""
+    path = tmp_path_factory.mktemp("small_hf")
+    config = ModelConfig.preset("small")
+    config.original_seq_len = MAX_CTX
+    return save_random_checkpoint(config, path, naming="hf", quantize=True, seed=12)
+
+
+@pytest.mark.parametrize("dialect", ["ocp", "fnuz"])
+def test_published_formats_through_sglangs_dispatch(sglang_runtime, native_checkpoint, flag_env,
+                                                     dialect):
+    """FP8/FP4 checkpoint tensors through load_tensor, held natively (on fnuz, the gfx942
+    dialect, FP8 made fnuz with doubled scales): two decode steps give the bits this project's
+    checkpoint loader's model gives over its own pool."""
+    from sglang.srt.arg_groups.overrides import model_config_of
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+    from sglang.srt.server_args import ServerArgs
+
+    from dsv4.options import Options
+
+    flag_env(DSV4_KERNEL_BACKEND="torch", DSV4_FP8_DIALECT=dialect)
+    sa = ServerArgs(model_path=str(native_checkpoint), device="cpu", dtype="bfloat16",
+                    attention_backend="dsv4", kv_cache_dtype="fp8_e4m3")
+    hf = model_config_of(sa).hf_config
+    hf.max_position_embeddings = MAX_CTX
+    model = install(sglang_runtime, native_checkpoint, hf)
+    options = Options.from_env()
+    reference = load_model(native_checkpoint, options=options)
+    fp8 = {t.dtype for t in reference.state_dict().values() if t.dtype.is_floating_point
+           and t.element_size() == 1 and t.dtype != torch.float8_e8m0fnu}
+    assert reference.weights == "native"
+    assert fp8 == {torch.float8_e4m3fnuz if dialect == "fnuz" else torch.float8_e4m3fn}
+    ours, theirs = our_side(reference, 1), sglang_side(reference, 1)
+    for side in (ours, theirs):
+        prefill(reference, side, [130], seed=6)
+    backend = AttentionBackend(theirs.pool.pool, theirs.r2t_pool)
+    max_rows = reference.static_max_rows(MAX_CTX)
+    for token in (5, 77):
+        want = reference(engine_decode_batch([token], ours.grow(), ours), ours.pool, ours.r2t,
+                         max_rows=max_rows, options=options)
+        batch = sglang_decode_batch([token], theirs.grow(), theirs)
+        with forward_context(ForwardContext(attn_backend=backend)):
+            got = model.forward(batch.input_ids, batch.positions, batch).next_token_logits
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert_same_kv(reference, ours, theirs)

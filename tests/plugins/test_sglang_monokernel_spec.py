@@ -200,3 +200,40 @@ def test_config_checks_name_the_v41_fields_and_a_bad_geometry(checkpoint):
     why = config_disable_reasons(Cfg, dict(hf, qk_nope_head_dim=128))
     assert why == ["the model config: hf_config: qk_nope_head_dim must be 448 (head_dim=512, "
                    "rope_head_dim=64), got 128"]
+
+
+def test_after_load_a_weight_format_or_copies_that_do_not_fit_are_named(checkpoint,
+                                                                        monkeypatch):
+    import torch
+
+    from dsv4.plugins import sglang_mono_checks as checks
+    from sglang.srt.arg_groups.overrides import model_config_of
+
+    hf = model_config_of(server_args(checkpoint)).hf_config.to_dict()
+    copies = {("checkpoint", "w"): torch.zeros(1024, dtype=torch.uint8)}
+    assert checks.model_disable_reasons(None, hf, copies) == []
+    awq = dict(hf, quantization_config={"quant_method": "awq"})
+    assert checks.model_disable_reasons(None, awq, copies) == [
+        "quantization_config {'quant_method': 'awq'} is neither the published DeepSeek-V4 format "
+        "(FP8 e4m3 in 128x128 blocks with ue8m0 scales, FP4 experts) nor none (bf16 weights)"]
+    monkeypatch.setattr(checks, "free_device_bytes", lambda: 1024)   # stand-in: a GPU's memory
+    assert checks.model_disable_reasons(None, hf, copies) == [
+        "the weight copies kept at load take 0.00 GiB, more than 50% of this device's free "
+        "0.00 GiB (the rest is the KV cache's)"]
+
+
+def test_before_load_a_model_that_cannot_be_held_twice_is_named(checkpoint, monkeypatch):
+    from dsv4.plugins import sglang_mono_checks as checks
+    from sglang.srt.arg_groups.overrides import model_config_of
+
+    hf = model_config_of(server_args(checkpoint)).hf_config.to_dict()
+
+    class Cfg:
+        tp_size, page_size = 1, 256
+
+    monkeypatch.setattr(checks, "device_total_bytes", lambda: 2**20)  # stand-in: a 1 MiB GPU
+    why = checks.config_disable_reasons(Cfg, hf)
+    assert len(why) == 1 and why[0].startswith("this project's model takes ")
+    assert why[0].endswith("is more than the device's 0.0 GiB (use a larger --tp)")
+    monkeypatch.setattr(checks, "device_total_bytes", lambda: 2**40)
+    assert checks.config_disable_reasons(Cfg, hf) == []
