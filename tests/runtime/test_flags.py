@@ -144,6 +144,27 @@ def test_cli_env_says_what_each_serving_plugin_would_replace(capsys, flag_env):
     assert any(line.strip().startswith("vllm") for line in plugins)
 
 
+def test_cli_env_shows_the_monokernel_specs_coverage(capsys, flag_env):
+    from dsv4.plugins.host_signatures import installed_version
+
+    version = installed_version("sglang")
+    if version is None:
+        pytest.skip("SGLang is not installed (see README)")
+    _, out = run_env(capsys, flag_env)
+    lines = [line.strip() for line in out.split("serving plugins")[1].splitlines()]
+    mono = [line for line in lines if line.startswith("monokernel spec dsv4-rocm")]
+    assert mono == ["monokernel spec dsv4-rocm (SGLang --enable-amd-monokernel): gfx942/gfx950, "
+                    "decode batch sizes 1-64, TP 1/2/4/8; accepts none of the features SGLang "
+                    "refuses by default"]
+    held = [line for line in lines if line.startswith("weights held beside SGLang's")]
+    assert len(held) == 2
+    assert "flash (GiB a rank): TP1 " in held[0] and "pro (GiB a rank): TP1 " in held[1]
+    for env, why in (({"DSV4_SGLANG_MONOKERNEL": "0"}, "DSV4_SGLANG_MONOKERNEL=0"),
+                     ({"DSV4_SGLANG_PLUGIN": "0"}, "DSV4_SGLANG_PLUGIN=0")):
+        _, off = run_env(capsys, flag_env, **env)
+        assert f"sglang {version} monokernel: off ({why})" in off
+
+
 def test_update_flags_doc_help_and_check_write_nothing():
     doc = ROOT / "docs" / "flags.md"
     before = doc.read_bytes()
