@@ -191,12 +191,12 @@ class DeepseekV4Model(nn.Module):
         return h.unsqueeze(1).repeat(1, self.config.hc_mult, 1)
 
     def logits(self, x: torch.Tensor, kernel: KernelOptions) -> torch.Tensor:
-        """Hidden copies [N, hc, dim] -> fp32 logits [N, vocab]; the final norm runs on the
-        step's kernel backend, as every norm of the layers does."""
+        """Hidden copies [N, hc, dim] -> fp32 logits [N, vocab]; the mHC head and the final norm
+        are one op on the step's kernel backend, as every mHC op and norm of the layers is."""
         c = self.config
         y = mhc.hc_head(x, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, c.norm_eps,
-                        c.hc_eps)
-        return self.head(self.norm(y, kernel).float())
+                        c.hc_eps, norm=self.norm, kernel=kernel)
+        return self.head(y.float())
 
 
 def resolve_weights(config: ModelConfig, weights: str | None, dtype: torch.dtype) -> str:

@@ -1,9 +1,9 @@
 """Kernels of the DeepSeek-V4 decode backend: torch references, Triton kernels and HIP C++ for the
 set-KV family (`set_kv`), mHC's split with its Sinkhorn normalisation (`mhc_split`), mHC pre
-(+ the block's norm) and post (`mhc_fused`), the MoE's routing, routed and shared experts
-(`moe_fused`), the sparse decode attention (`decode_attention`), the indexer's scores
-(`indexer_scores`), a step's attention plan over the paged tables (`attention_plan`) and the
-quantized linears of the FP8/FP4 checkpoints (`quant_linear`), each a
+(+ the block's norm), post and the head (+ the final norm) (`mhc_fused`), the MoE's routing,
+routed and shared experts (`moe_fused`), the sparse decode attention (`decode_attention`), the
+indexer's scores (`indexer_scores`), a step's attention plan over the paged tables
+(`attention_plan`) and the quantized linears of the FP8/FP4 checkpoints (`quant_linear`), each a
 dispatcher op of the `dsv4` library (`library`). Every op takes its choices as values:
 `kernel` (a `KernelOptions`: backend, host checks, aiter) and its numerics.
 
@@ -22,7 +22,7 @@ from .indexer_scores import indexer_scores, indexer_scores_shared
 from .indexer_topk import indexer_topk, picked_rows
 from .kv_layout import (dequantize_kv_rows, indexer_page_bytes, page_bytes, quantize_kv_rows,
                         read_indexer_rows, read_kv_rows)
-from .mhc_fused import hc_post, hc_pre
+from .mhc_fused import hc_head, hc_post, hc_pre
 from .mhc_split import hc_split
 from .plain_linear import plain_linear
 from .moe_fused import moe_route, moe_routed, moe_shared
@@ -42,8 +42,9 @@ __all__ = [
     "page_bytes", "indexer_page_bytes", "quantize_kv_rows", "dequantize_kv_rows", "read_kv_rows",
     "read_indexer_rows",
     "fused_k_norm_rope_store", "fused_store_cache", "store_kv_pack", "indexer_store",
-    "fused_translate_norm_rope_store", "hc_split", "hc_pre", "hc_post", "moe_route", "moe_routed",
-    "moe_shared", "sparse_decode_attention", "indexer_scores", "indexer_scores_shared",
+    "fused_translate_norm_rope_store", "hc_split", "hc_pre", "hc_post", "hc_head", "moe_route",
+    "moe_routed", "moe_shared", "sparse_decode_attention", "indexer_scores",
+    "indexer_scores_shared",
     "rms_norm", "indexer_query", "indexer_topk", "picked_rows", "grouped_out_proj",
     "attention_plan", "act_quant", "ocp_to_fnuz", "fp8_linear", "fp8_grouped_linear",
     "fp4_grouped_linear", "plain_linear",

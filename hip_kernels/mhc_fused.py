@@ -1,5 +1,6 @@
-"""mHC pre (with the RMSNorm after it) and mHC post, each as one dispatcher op
-(`torch.ops.dsv4.hc_pre`, `torch.ops.dsv4.hc_post`). x is the hidden state's hc copies [N, hc, D].
+"""mHC pre (with the RMSNorm after it), mHC post and the mHC head (with the final RMSNorm after
+it), each as one dispatcher op (`torch.ops.dsv4.hc_pre`, `torch.ops.dsv4.hc_post`,
+`torch.ops.dsv4.hc_head`). x is the hidden state's hc copies [N, hc, D].
 
     hc_pre:  mixes = (x.flatten @ fn^T) * rsqrt(mean(x^2) + mix_eps)      fp32 [N, (2 + hc) hc]
              pre, post, comb = the split of the mixes (`mhc_split`, Sinkhorn on comb)
@@ -7,6 +8,9 @@
              out = norm_weight * y * rsqrt(mean(y^2) + norm_eps), in x's dtype (the block's
              attn_norm / ffn_norm; y itself without a norm_weight) -> (out [N, D], post, comb)
     hc_post: X'_j = post_j * out + sum_i comb[i, j] * X_i, in out's dtype
+    hc_head: the model's final reduction of the copies: mixes as hc_pre's with fn's hc rows,
+             pre = sigmoid(mixes * scale + base) + hc_eps, y and the norm as hc_pre's (the
+             model's final norm) -> out [N, D]
 
 The torch references are the model's code before the fusion, op for op, so the reference
 numerics keep their bits. The Triton kernels (`mhc_fused_triton`) compute in fp32 in the same
@@ -58,6 +62,14 @@ def hc_post_ref(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
     return (post.unsqueeze(-1) * out.float().unsqueeze(-2) + mixed).to(out.dtype)
 
 
+def hc_head_ref(x, fn, scale, base, norm_weight, mix_eps, hc_eps, norm_eps):
+    pre = torch.sigmoid(hc_mixes(x, fn, mix_eps) * scale + base) + hc_eps
+    y = (pre.unsqueeze(-1) * x.float()).sum(-2).to(x.dtype)
+    if norm_weight is None:
+        return y
+    return rms_norm_ref(y, norm_weight, norm_eps)
+
+
 def _pre_fake(x, fn, scale, base, norm_weight, *rest):
     n, hc, d = x.shape
     f32 = torch.float32
@@ -68,12 +80,19 @@ def _post_fake(out, residual, post, comb):
     return residual.new_empty(residual.shape, dtype=out.dtype)
 
 
+def _head_fake(x, *rest):
+    return x.new_empty(x.shape[0], x.shape[2])
+
+
 define_op("hc_pre", "(Tensor x, Tensor fn, Tensor scale, Tensor base, Tensor? norm_weight, "
           "float mix_eps, int iters, float hc_eps, float norm_eps, bool reference) "
           "-> (Tensor, Tensor, Tensor)", hc_pre_ref, _pre_fake,
           triton="mhc_fused_triton.hc_pre_triton")
 define_op("hc_post", "(Tensor out, Tensor residual, Tensor post, Tensor comb) -> Tensor",
           hc_post_ref, _post_fake, triton="mhc_fused_triton.hc_post_triton")
+define_op("hc_head", "(Tensor x, Tensor fn, Tensor scale, Tensor base, Tensor? norm_weight, "
+          "float mix_eps, float hc_eps, float norm_eps) -> Tensor", hc_head_ref, _head_fake,
+          triton="mhc_fused_triton.hc_head_triton")
 
 
 def _is_pow2(n: int) -> bool:
@@ -123,3 +142,24 @@ def hc_post(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb:
     backend = resolve("hc_post", residual.device, kernel.backend, triton_ok=_is_pow2(hc))
     return op("hc_post", backend)(out.contiguous(), residual.contiguous(), post.contiguous(),
                                   comb.contiguous())
+
+
+def hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+            norm_weight: torch.Tensor | None, *, mix_eps: float, hc_eps: float, norm_eps: float,
+            kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
+    """The mHC head and the final RMSNorm after it: [N, D] in x's dtype from x [N, hc, D], the
+    head's fn [hc, hc D], scale [1], base [hc] and norm_weight [D] (None: no norm, the weighted
+    sum itself) with its eps norm_eps (no default: the norm's eps is the model's; unused
+    without norm_weight). kernel.backend picks the backend (no HIP version); an hc that is not
+    a power of two runs the torch reference."""
+    check_kernel(kernel)
+    check_tensor("x", x, dtypes=HIDDEN_DTYPES, dim=3)
+    n, hc, d = x.shape
+    check_tensor("fn", fn, shape=(hc, hc * d), device=x.device)
+    check_tensor("scale", scale, shape=(1,), device=x.device)
+    check_tensor("base", base, shape=(hc,), device=x.device)
+    if norm_weight is not None:
+        check_tensor("norm_weight", norm_weight, shape=(d,), device=x.device)
+    backend = resolve("hc_head", x.device, kernel.backend, triton_ok=_is_pow2(hc))
+    return op("hc_head", backend)(x.contiguous(), fn.contiguous(), scale, base, norm_weight,
+                                  float(mix_eps), float(hc_eps), float(norm_eps))

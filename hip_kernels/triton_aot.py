@@ -103,7 +103,8 @@ def _hc_split_variant():
 
 
 def _mhc_fused_variants():
-    """mHC pre (+ the block's RMSNorm) and post as the model runs them: hc 4, bf16 hidden."""
+    """mHC pre (+ the block's RMSNorm), post and the head (+ the final RMSNorm) as the model
+    runs them: hc 4, bf16 hidden."""
     from . import mhc_fused_triton as M
 
     pre = {"x_ptr": "*bf16", "fn_ptr": "*fp32", "scale_ptr": "*fp32", "base_ptr": "*fp32",
@@ -111,9 +112,13 @@ def _mhc_fused_variants():
            "D": "i32:D", "mix_eps": "fp32", "iters": "i32", "hc_eps": "fp32", "norm_eps": "fp32"}
     post = {"out_ptr": "*bf16", "res_ptr": "*bf16", "post_ptr": "*fp32", "comb_ptr": "*fp32",
             "y_ptr": "*bf16", "D": "i32:D"}
+    head = {name: pre[name] for name in ("x_ptr", "fn_ptr", "scale_ptr", "base_ptr", "w_ptr",
+                                         "out_ptr", "D", "mix_eps", "hc_eps", "norm_eps")}
     return {"hc_pre (+ norm)": (M.hc_pre_kernel, pre, {"HC": 4, "NORM": True,
                                                        "BLOCK_D": M.BLOCK_D}),
-            "hc_post": (M.hc_post_kernel, post, {"HC": 4, "BLOCK_D": M.POST_BLOCK_D})}
+            "hc_post": (M.hc_post_kernel, post, {"HC": 4, "BLOCK_D": M.POST_BLOCK_D}),
+            "hc_head (+ norm)": (M.hc_head_kernel, head, {"HC": 4, "NORM": True,
+                                                         "BLOCK_D": M.HEAD_BLOCK_D})}
 
 
 def _moe_fused_variants():

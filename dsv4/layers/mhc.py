@@ -2,9 +2,9 @@
 
 ``hc_pre`` mixes the copies into one block input (normed by the block's RMSNorm when given its
 weight) and returns the ``post`` / ``comb`` weights that ``hc_post`` uses to write the block
-output back; ``comb`` is made doubly stochastic by Sinkhorn iterations. Each is one dispatcher op
-(``hip_kernels.mhc_fused``). ``hc_head`` is the final reduction (pre weights only). Shapes: x
-[N, hc, D].
+output back; ``comb`` is made doubly stochastic by Sinkhorn iterations. ``hc_head`` is the final
+reduction (pre weights only) with the model's final RMSNorm after it. Each is one
+dispatcher op (``hip_kernels.mhc_fused``). Shapes: x [N, hc, D].
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 
 from hip_kernels import DEFAULT_KERNEL_OPTIONS, KernelOptions, mhc_fused
-from hip_kernels.mhc_fused import hc_mixes
 
 
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
@@ -34,7 +33,9 @@ def hc_post(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb:
 
 
 def hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
-            norm_eps: float, hc_eps: float) -> torch.Tensor:
-    """Final reduction of the copies: sum_i (sigmoid(mix_i * scale + base_i) + eps) * X_i."""
-    pre = torch.sigmoid(hc_mixes(x, fn, norm_eps) * scale + base) + hc_eps
-    return (pre.unsqueeze(-1) * x.float()).sum(-2).to(x.dtype)
+            norm_eps: float, hc_eps: float, *, norm, kernel: KernelOptions) -> torch.Tensor:
+    """Final reduction of the copies, y = sum_i (sigmoid(mix_i * scale + base_i) + eps) * X_i in
+    x's dtype, normed by norm (an ``RMSNorm``, the model's final norm) in the same op; kernel:
+    the kernel options."""
+    return mhc_fused.hc_head(x, fn, scale, base, norm.weight, mix_eps=norm_eps, hc_eps=hc_eps,
+                             norm_eps=norm.eps, kernel=kernel)

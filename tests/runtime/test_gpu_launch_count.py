@@ -23,10 +23,13 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
 
 BATCH, CONTEXT, STEPS = 2, 16, (3, 4)
 
-# At most 32 launches in any decoder layer, at most 30 around them per step (measured: 17, 27
-# or 31 when the step closes a window, 19, and 27 around them).
+# At most 32 launches in any decoder layer (measured: 17, 27 or 31 when the step closes a
+# window, 19). Around them, what the step measures: attention_plan's two launches, hc_head's one
+# (the mHC head and the final norm) and nine torch kernels (the embedding and its repeat, the
+# logits' cast and GEMM, argmax, the table write and its cast, the SWA translation's index and
+# cast). Held at that (the target is 30), so a new launch around the layers fails here.
 LAYER_BUDGET = 32
-OUTSIDE_BUDGET = 30
+OUTSIDE_BUDGET = 12
 # The only aten op a decoder layer runs beside its Triton kernels: the bf16 linears' GEMMs. A
 # new glue op fails here.
 LAYER_ATEN_OPS = {"mm"}
