@@ -16,7 +16,10 @@ import torch
 from ..config import HF_ALIASES, ROPE_SCALING_KEYS, ModelConfig
 from ..parallel.split import split_problem
 from ..weights.formats import native_problem
-from .sglang_mono_weights import copied_bytes, copy_bytes, max_seq_len, weight_format
+from ..layers.quant_linear import fp8_weight_dtype
+from .sglang_mono_inplace import FNUZ
+from .sglang_mono_weights import (copied_bytes, copy_bytes, max_seq_len, model_bytes,
+                                  weight_format)
 
 # DeepSeek-V4.1 / vision fields of SGLang's DeepSeekV4Config this model does not have, with the
 # value that means "not used".
@@ -67,11 +70,14 @@ def config_disable_reasons(cfg: Any, hf_config: Any) -> list[str]:
     total = device_total_bytes()
     if total is not None:
         fmt = weight_format(d) or "native"
-        ours = copy_bytes(config, fmt, tp, max_seq_len(d, config))
-        if 2 * ours > total:
-            reasons.append(f"this project's model takes {ours / 2**30:.1f} GiB a rank beside "
-                           f"SGLang's own weights (about as much): {2 * ours / 2**30:.1f} GiB is "
-                           f"more than the device's {total / 2**30:.1f} GiB (use a larger --tp)")
+        seq = max_seq_len(d, config)
+        theirs = model_bytes(config, fmt, tp, seq)     # SGLang's weights: about as many bytes
+        ours = copy_bytes(config, fmt, tp, seq, fnuz=fp8_weight_dtype() == FNUZ)
+        if theirs + ours > total:
+            reasons.append(f"this project's model holds {ours / 2**30:.1f} GiB a rank beside "
+                           f"SGLang's own weights (about {theirs / 2**30:.1f} GiB): "
+                           f"{(theirs + ours) / 2**30:.1f} GiB is more than the device's "
+                           f"{total / 2**30:.1f} GiB (use a larger --tp)")
     page = getattr(cfg, "page_size", None)
     if page is not None and page % PAGE_SIZE_MULTIPLE:
         reasons.append(f"--page-size {page} is not a multiple of {PAGE_SIZE_MULTIPLE} (a page "
