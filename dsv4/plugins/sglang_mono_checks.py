@@ -8,15 +8,14 @@ weights loaded, on every TP rank: the weight formats, and whether the copies kep
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
 
-from ..config import HF_ALIASES, ROPE_SCALING_KEYS, ModelConfig
 from ..parallel.split import split_problem
 from ..weights.formats import native_problem
 from ..layers.quant_linear import fp8_weight_dtype
+from .sglang_mono_config import hf_dict, model_config
 from .sglang_mono_inplace import FNUZ
 from .sglang_mono_weights import (copied_bytes, copy_bytes, max_seq_len, model_bytes,
                                   weight_format)
@@ -35,20 +34,6 @@ UNUSED_FIELDS = {
 PAGE_SIZE_MULTIPLE = 128
 # The share of free device memory the load hook's copies may take.
 COPY_MEMORY_SHARE = 0.5
-
-
-def hf_dict(hf_config: Any) -> dict:
-    """The Hugging Face config as a plain dict (a PretrainedConfig or already a dict)."""
-    return dict(hf_config) if isinstance(hf_config, dict) else hf_config.to_dict()
-
-
-def model_config(hf_config: Any) -> ModelConfig:
-    """This project's ModelConfig of SGLang's hf_config (a ValueError names a bad field). Only
-    the model's own keys are read: a transformers config also carries generic ones."""
-    known = {f.name for f in dataclasses.fields(ModelConfig)} | set(HF_ALIASES) | {
-        *ROPE_SCALING_KEYS, "num_key_value_heads", "qk_nope_head_dim", "v_head_dim"}
-    d = {k: v for k, v in hf_dict(hf_config).items() if k in known}
-    return ModelConfig.from_dict(d, source="hf_config")
 
 
 def config_disable_reasons(cfg: Any, hf_config: Any) -> list[str]:

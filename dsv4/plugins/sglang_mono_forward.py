@@ -25,7 +25,7 @@ import torch
 
 from ..forward_batch import ForwardBatch, ForwardMode
 from ..options import Options
-from .sglang_mono_checks import hf_dict, model_config
+from .sglang_mono_config import hf_dict, model_config
 from .sglang_mono_pool import SGLangMonoPool
 from .sglang_mono_weights import build_model, max_seq_len, rank_split, weight_format
 

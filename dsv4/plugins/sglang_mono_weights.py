@@ -32,6 +32,7 @@ from ..weights import loader
 from ..weights.held import HeldTensors
 from ..weights.names import is_mtp, to_reference
 from . import sglang_mono_inplace as inplace
+from .sglang_mono_config import hf_dict, model_config
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +80,6 @@ def in_place(model: torch.nn.Module) -> dict[str, inplace.Entry]:
     cached = _IN_PLACE.get(id(model))
     if cached is not None and cached[0] is model:
         return cached[1]
-    from .sglang_mono_checks import hf_dict, model_config
-
     config = model_config(model.config)
     hf = hf_dict(model.config)
     fmt, split = weight_format(hf), rank_split()
