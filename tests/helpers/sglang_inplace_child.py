@@ -3,8 +3,9 @@ DeepseekV4ForCausalLM for a small config, loaded by SGLang's own `load_weights` 
 in the published names and formats, its FP8 dense layers then made fnuz by SGLang's own
 `normalize_e4m3fn_to_e4m3fnuz` exactly as its `Fp8LinearMethod.process_weights_after_loading`
 does on ROCm gfx942 (on a CPU that method takes its AMX path instead, so it is not called). Then
-the spec's load hook and build run over it, and the result is checked against this project's
-checkpoint loader.
+the spec's load hook and build run over it, and the result (its tensors, and its logits over
+this project's pool for an extend and two decode steps) is checked against this project's
+checkpoint loader's model.
 
 Stand-ins, each for something that needs a GPU: SGLang's CPU rope factory asserts YaRN scaling,
 so the sliding-window-only layer's plain RoPE comes from SGLang's `get_rope`; the mHC kernels'
@@ -31,6 +32,7 @@ from dsv4.plugins import sglang_mono_inplace as inplace  # noqa: E402
 from dsv4.plugins import sglang_mono_weights as weights  # noqa: E402
 from dsv4.weights.loader import checkpoint_files  # noqa: E402
 from dsv4.weights.saver import config_dict  # noqa: E402
+from sglang_mono_sides import our_side, run  # noqa: E402
 
 
 def sglang_config(config: ModelConfig):
@@ -131,7 +133,11 @@ def main(path: Path) -> None:
         if not (lo <= t.data_ptr() and t.data_ptr() + t.nbytes <= lo + store.nbytes()):
             outside.append(name)
 
-    reference = load_model(path, weights="native", options=options).state_dict()
+    reference_model = load_model(path, weights="native", options=options)
+    reference = reference_model.state_dict()
+    same_logits = [torch.equal(a, b) for a, b in
+                   zip(run(ours, our_side(ours, 2), [5, 9], 2, options),
+                       run(reference_model, our_side(reference_model, 2), [5, 9], 2, options))]
     differ = [n for n in reference
               if reference[n].dtype != state[n].dtype or reference[n].shape != state[n].shape
               or not torch.equal(as_bytes(reference[n]), as_bytes(state[n]))]
@@ -140,6 +146,7 @@ def main(path: Path) -> None:
                if e.how == inplace.VIEW)
     print(json.dumps({
         "converted": converted,
+        "same_logits": same_logits,
         "served_kinds": sorted({e.kind for e in served.values()}),
         "views": sum(e.how == inplace.VIEW for e in served.values()),
         "outside": outside,

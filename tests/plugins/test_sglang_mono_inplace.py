@@ -45,6 +45,7 @@ def measured(tmp_path_factory):
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), helpers, env.get("PYTHONPATH"))
                                         if p)
     env["DSV4_FP8_DIALECT"] = "fnuz"
+    env["DSV4_KERNEL_BACKEND"] = "torch"
     proc = subprocess.run([sys.executable, str(CHILD), str(path)], env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -66,6 +67,10 @@ def test_in_place_parameters_are_sglangs_storage(measured):
 def test_model_equals_the_checkpoint_loaders_byte_for_byte(measured):
     assert measured["missing"] == []
     assert measured["differ"] == []
+
+
+def test_logits_equal_the_checkpoint_loaders_model_bit_for_bit(measured):
+    assert measured["same_logits"] == [True, True, True]
 
 
 def test_copies_drop_by_exactly_the_bytes_read_in_place(measured):
