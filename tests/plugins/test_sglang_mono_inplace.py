@@ -116,3 +116,16 @@ def test_replicated_tensors_give_each_rank_its_rows():
     assert t["layers.1.attn.indexer.weights_proj.weight"].rows == (c.index_n_heads // 2,
                                                                   c.index_n_heads)
     assert t["layers.0.attn.wq_b.weight"].rows is None      # SGLang splits it as ours
+
+
+def test_env_reports_bytes_read_in_place_and_held_per_isa():
+    from dsv4.plugins.sglang_monokernel import coverage
+
+    lines = [x for x in coverage() if "weights beside SGLang's" in x]
+    assert [x.split(",")[0].strip() for x in lines] == [
+        "flash on gfx942", "flash on gfx950", "pro on gfx942", "pro on gfx950"]
+    for line in lines:
+        assert line.count("read in place") == 4 and line.count("held") == 4
+    # gfx942 also reads the FP8 dense weights in place: more bytes than gfx950
+    tp1 = [float(x.split("TP1 ")[1].split(" ")[0]) for x in lines]
+    assert tp1[0] > tp1[1] > 0 and tp1[2] > tp1[3] > 0
