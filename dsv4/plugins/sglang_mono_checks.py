@@ -8,15 +8,17 @@ weights loaded, on every TP rank: the weight formats, and whether the copies kep
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
 
-from ..config import HF_ALIASES, ROPE_SCALING_KEYS, ModelConfig
 from ..parallel.split import split_problem
 from ..weights.formats import native_problem
-from .sglang_mono_weights import copied_bytes, copy_bytes, max_seq_len, weight_format
+from ..layers.quant_linear import fp8_weight_dtype
+from .sglang_mono_config import hf_dict, model_config
+from .sglang_mono_inplace import FNUZ
+from .sglang_mono_weights import (copied_bytes, copy_bytes, max_seq_len, model_bytes,
+                                  weight_format)
 
 # DeepSeek-V4.1 / vision fields of SGLang's DeepSeekV4Config this model does not have, with the
 # value that means "not used".
@@ -32,20 +34,6 @@ UNUSED_FIELDS = {
 PAGE_SIZE_MULTIPLE = 128
 # The share of free device memory the load hook's copies may take.
 COPY_MEMORY_SHARE = 0.5
-
-
-def hf_dict(hf_config: Any) -> dict:
-    """The Hugging Face config as a plain dict (a PretrainedConfig or already a dict)."""
-    return dict(hf_config) if isinstance(hf_config, dict) else hf_config.to_dict()
-
-
-def model_config(hf_config: Any) -> ModelConfig:
-    """This project's ModelConfig of SGLang's hf_config (a ValueError names a bad field). Only
-    the model's own keys are read: a transformers config also carries generic ones."""
-    known = {f.name for f in dataclasses.fields(ModelConfig)} | set(HF_ALIASES) | {
-        *ROPE_SCALING_KEYS, "num_key_value_heads", "qk_nope_head_dim", "v_head_dim"}
-    d = {k: v for k, v in hf_dict(hf_config).items() if k in known}
-    return ModelConfig.from_dict(d, source="hf_config")
 
 
 def config_disable_reasons(cfg: Any, hf_config: Any) -> list[str]:
@@ -67,11 +55,14 @@ def config_disable_reasons(cfg: Any, hf_config: Any) -> list[str]:
     total = device_total_bytes()
     if total is not None:
         fmt = weight_format(d) or "native"
-        ours = copy_bytes(config, fmt, tp, max_seq_len(d, config))
-        if 2 * ours > total:
-            reasons.append(f"this project's model takes {ours / 2**30:.1f} GiB a rank beside "
-                           f"SGLang's own weights (about as much): {2 * ours / 2**30:.1f} GiB is "
-                           f"more than the device's {total / 2**30:.1f} GiB (use a larger --tp)")
+        seq = max_seq_len(d, config)
+        theirs = model_bytes(config, fmt, tp, seq)     # SGLang's weights: about as many bytes
+        ours = copy_bytes(config, fmt, tp, seq, fnuz=fp8_weight_dtype() == FNUZ)
+        if theirs + ours > total:
+            reasons.append(f"this project's model holds {ours / 2**30:.1f} GiB a rank beside "
+                           f"SGLang's own weights (about {theirs / 2**30:.1f} GiB): "
+                           f"{(theirs + ours) / 2**30:.1f} GiB is more than the device's "
+                           f"{total / 2**30:.1f} GiB (use a larger --tp)")
     page = getattr(cfg, "page_size", None)
     if page is not None and page % PAGE_SIZE_MULTIPLE:
         reasons.append(f"--page-size {page} is not a multiple of {PAGE_SIZE_MULTIPLE} (a page "

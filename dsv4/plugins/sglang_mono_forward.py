@@ -2,7 +2,8 @@
 
 `build(model, hf_config, context)` (the spec's build, run by SGLang's
 `install_monokernel_forward` after the weights loaded and before the KV pool exists) builds this
-project's model from the load hook's copies (`sglang_mono_weights`). `DecodeMonokernel.forward`
+project's model over SGLang's loaded parameters where it reads them in place, and from the load
+hook's copies elsewhere (`sglang_mono_weights`). `DecodeMonokernel.forward`
 then runs each covered decode step: SGLang's dispatcher calls it with `Plan(key)` and the model
 forward's own arguments `(input_ids, positions, forward_batch)`. It reads SGLang's KV pool and
 request table through the forward context (`get_token_to_kv_pool()`, `get_req_to_token_pool()`),
@@ -24,7 +25,7 @@ import torch
 
 from ..forward_batch import ForwardBatch, ForwardMode
 from ..options import Options
-from .sglang_mono_checks import hf_dict, model_config
+from .sglang_mono_config import hf_dict, model_config
 from .sglang_mono_pool import SGLangMonoPool
 from .sglang_mono_weights import build_model, max_seq_len, rank_split, weight_format
 
@@ -93,7 +94,7 @@ def build(model: torch.nn.Module, hf_config: Any, context: Any) -> DecodeMonoker
     config = model_config(hf_config)
     hf = hf_dict(hf_config)
     ours = build_model(config, weight_format(hf), context.copies, _device_of(model),
-                       max_seq_len(hf, config), options, rank_split())
+                       max_seq_len(hf, config), options, rank_split(), model)
     logger.info("dsv4-rocm monokernel built on %s: %s weights, widths %s", context.isa,
                 ours.weights, list(context.widths))
     return DecodeMonokernel(ours, options, context.widths)

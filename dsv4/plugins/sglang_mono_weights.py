@@ -1,14 +1,17 @@
 """The monokernel's weights: checkpoint tensors seen at load, this project's model built from them.
 
 SGLang's loader passes each checkpoint tensor through the spec's `load_tensor(copies, model,
-name, tensor)` before converting it (`monokernel_weights_iterator`). `load_tensor` keeps, in host
-memory, the tensors this TP rank's part of the model reads: every non-MTP tensor but other ranks'
-routed experts. `build_model` then builds this project's `DeepseekV4Model` on the device from
-them with the checkpoint loader (`dsv4.weights.loader.fill_from`: every name and shape checked
-first, FP8 made fnuz exactly on gfx942, the rank's slices), and the host copies are dropped. What
-stays is the model's own weights on the device: `copies` lists them under `MODEL`, so SGLang's log
-line and `python -m dsv4 env` state the bytes. They are a second copy of the weights: SGLang's
-post-load layouts are not read in place yet (docs/plugins.md says which could be).
+name, tensor)` before converting it (`monokernel_weights_iterator`). Some of this project's
+parameters are SGLang's own loaded parameters, read in place (`sglang_mono_inplace`: which, and
+the check that SGLang's tensor is what they need; a tensor that fails it is copied, the reason
+logged once per kind). For the others `load_tensor` keeps, in host memory, the tensors this TP
+rank's part of the model reads: every non-MTP tensor but other ranks' routed experts and those
+read in place. `build_model` then builds this project's `DeepseekV4Model` on the device, makes
+the in-place parameters views of SGLang's tensors, fills the rest from the host copies with the
+checkpoint loader (`dsv4.weights.loader.fill_from`: every name and shape checked first, FP8 made
+fnuz exactly on gfx942, the rank's slices), and drops the copies. What stays is what the model
+holds itself: `copies` lists it under `MODEL`, so SGLang's log line and `python -m dsv4 env`
+state the bytes held beside SGLang's weights.
 """
 
 from __future__ import annotations
@@ -23,10 +26,13 @@ from ..memory_estimate import weight_bytes
 from ..model import DeepseekV4Model
 from ..options import Options
 from ..parallel import SINGLE, TensorSplit
+from ..layers.quant_linear import fp8_weight_dtype
 from ..parallel.shards import expert_of
 from ..weights import loader
 from ..weights.held import HeldTensors
 from ..weights.names import is_mtp, to_reference
+from . import sglang_mono_inplace as inplace
+from .sglang_mono_config import hf_dict, model_config
 
 logger = logging.getLogger(__name__)
 
@@ -67,13 +73,50 @@ def _owns(split: TensorSplit, name: str, n_experts: int) -> bool:
     return split.rank * per <= expert < (split.rank + 1) * per
 
 
+def in_place(model: torch.nn.Module) -> dict[str, inplace.Entry]:
+    """Our parameters read in place from SGLang's ``model`` (its parameters as created, before
+    the checkpoint loads): the table's entries whose SGLang tensor passes the check; each other
+    kind's reason is logged once. Made once per SGLang model."""
+    cached = _IN_PLACE.get(id(model))
+    if cached is not None and cached[0] is model:
+        return cached[1]
+    config = model_config(model.config)
+    hf = hf_dict(model.config)
+    fmt, split = weight_format(hf), rank_split()
+    ours = DeepseekV4Model(config, device="meta", max_seq_len=max_seq_len(hf, config),
+                           weights=fmt, split=split).state_dict()
+    theirs = dict(model.named_parameters())
+    fnuz = fmt == "native" and fp8_weight_dtype() == inplace.FNUZ
+    served = {}
+    for name, entry in inplace.table(config, split, fnuz).items():
+        why = inplace.mismatch(entry, theirs.get(entry.theirs), ours[name],
+                               inplace.load_dtype(entry))
+        if why is None:
+            served[name] = entry
+        else:
+            inplace.log_copy_once(entry.kind, why)
+    _IN_PLACE.clear()
+    _IN_PLACE[id(model)] = (model, served)
+    return served
+
+
+_IN_PLACE: dict[int, tuple[torch.nn.Module, dict]] = {}
+
+
+def _ours(ref: str, is_scale: bool) -> str:
+    return ref[:-len("weight")] + "scale" if is_scale else ref
+
+
 def load_tensor(copies: dict, model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
-    """Keep a host copy of a checkpoint tensor this rank's model reads (the spec's load hook)."""
+    """Keep a host copy of a checkpoint tensor this rank's model reads and does not read in
+    place from SGLang's model (the spec's load hook)."""
     config = model.config
-    ref, _ = to_reference(name)
+    ref, is_scale = to_reference(name)
     if is_mtp(ref, config.num_hidden_layers):
         return
     if not _owns(rank_split(), ref, config.n_routed_experts):
+        return
+    if _ours(ref, is_scale) in in_place(model):
         return
     copies[(CHECKPOINT, name)] = tensor.detach().to("cpu", copy=True)
 
@@ -83,10 +126,23 @@ def max_seq_len(hf: dict, config: ModelConfig) -> int:
     return int(hf.get("max_position_embeddings") or config.original_seq_len)
 
 
-def copy_bytes(config: ModelConfig, fmt: str, tp: int, seq_len: int) -> int:
-    """Device bytes of this project's model on one of ``tp`` ranks: what the monokernel holds
-    beside SGLang's own weights."""
+def model_bytes(config: ModelConfig, fmt: str, tp: int, seq_len: int) -> int:
+    """Device bytes of this project's whole model on one of ``tp`` ranks."""
     return weight_bytes(config, fmt, max_seq_len=seq_len, tp=tp)
+
+
+def in_place_bytes(config: ModelConfig, fmt: str, tp: int, fnuz: bool) -> int:
+    """Bytes of rank 0's model read in place from SGLang's tensors, as SGLang's source says
+    they are laid out after loading (``fnuz``: on gfx942)."""
+    ours = DeepseekV4Model(config, device="meta", max_seq_len=1, weights=fmt,
+                           split=TensorSplit(0, tp)).state_dict()
+    return inplace.inplace_bytes(config, tp, fnuz and fmt == "native", ours)
+
+
+def copy_bytes(config: ModelConfig, fmt: str, tp: int, seq_len: int, fnuz: bool) -> int:
+    """Device bytes the monokernel holds on one of ``tp`` ranks beside SGLang's own weights:
+    its model less what it reads in place."""
+    return model_bytes(config, fmt, tp, seq_len) - in_place_bytes(config, fmt, tp, fnuz)
 
 
 def copied_bytes(copies: dict) -> int:
@@ -94,9 +150,13 @@ def copied_bytes(copies: dict) -> int:
 
 
 def build_model(config: ModelConfig, fmt: str, copies: dict, device: torch.device,
-                max_seq_len: int, options: Options, split: TensorSplit) -> DeepseekV4Model:
-    """This rank's model, filled from the load hook's host copies, which are then dropped; the
-    model's tensors take their place in ``copies`` (kind MODEL)."""
+                max_seq_len: int, options: Options, split: TensorSplit,
+                sglang_model: torch.nn.Module) -> DeepseekV4Model:
+    """This rank's model: the parameters `in_place` serves are SGLang's loaded tensors (checked
+    again now that SGLang converted them), the rest filled from the load hook's host copies,
+    which are then dropped; what the model holds itself takes their place in ``copies`` (kind
+    MODEL)."""
+    served = in_place(sglang_model)
     held = HeldTensors({name: t for (kind, name), t in copies.items() if kind == CHECKPOINT},
                        WHERE)
     if not held.tensors:
@@ -104,11 +164,22 @@ def build_model(config: ModelConfig, fmt: str, copies: dict, device: torch.devic
                          "pass them through SGLang's monokernel_weights_iterator)")
     model = DeepseekV4Model(config, dtype=torch.bfloat16, device=device, max_seq_len=max_seq_len,
                             options=options, weights=fmt, split=split)
+    theirs = dict(sglang_model.named_parameters())
+    targets = model.state_dict(keep_vars=True)      # the parameters themselves, to rebind
+    for name, entry in served.items():
+        why = inplace.mismatch(entry, theirs.get(entry.theirs), targets[name])
+        if why is not None:
+            raise ValueError(f"{entry.theirs}: SGLang's loaded tensor cannot be read as {name}, "
+                             f"and no copy was kept at load: {why}")
+    with torch.no_grad():
+        for name, entry in served.items():
+            inplace.bind(targets[name], entry, theirs[entry.theirs])
     block = loader.fp8_block_size({"quantization_config": None})
-    loader.fill_from(model, model.whole_model_tensors(), WHERE, held.handles(), held.stored(),
-                     block, options)
+    whole = {k: v for k, v in model.whole_model_tensors().items() if k not in served}
+    loader.fill_from(model, whole, WHERE, held.handles(), held.stored(), block, options)
     for key in [k for k in copies if k[0] == CHECKPOINT]:
         del copies[key]
     for name, t in model.state_dict().items():
-        copies[(MODEL, name)] = t
+        if served.get(name) is None or served[name].how != inplace.VIEW:
+            copies[(MODEL, name)] = t
     return model

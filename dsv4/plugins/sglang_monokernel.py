@@ -99,10 +99,11 @@ def register_spec() -> str:
 
 
 def coverage() -> list[str]:
-    """What the spec covers and refuses, and the bytes its model holds a rank beside SGLang's
-    weights for the published Flash and Pro models (for `python -m dsv4 env`)."""
+    """What the spec covers and refuses, and for the published Flash and Pro models the bytes
+    a rank reads in place from SGLang's weights and holds beside them, on gfx942 and gfx950
+    (for `python -m dsv4 env`)."""
     from ..config import ModelConfig
-    from .sglang_mono_weights import copy_bytes
+    from .sglang_mono_weights import in_place_bytes, model_bytes
 
     req = SPEC.requires
     lines = [
@@ -117,7 +118,12 @@ def coverage() -> list[str]:
     ]
     for name in ("flash", "pro"):
         config = ModelConfig.preset(name)
-        held = {tp: copy_bytes(config, "native", tp, config.original_seq_len) for tp in TP_SIZES}
-        per_rank = ", ".join(f"TP{tp} {n / 2**30:.1f}" for tp, n in held.items())
-        lines.append(f"  weights held beside SGLang's, {name} (GiB a rank): {per_rank}")
+        whole = {tp: model_bytes(config, "native", tp, config.original_seq_len)
+                 for tp in TP_SIZES}
+        for isa, fnuz in (("gfx942", True), ("gfx950", False)):
+            read = {tp: in_place_bytes(config, "native", tp, fnuz) for tp in TP_SIZES}
+            per_rank = ", ".join(f"TP{tp} {read[tp] / 2**30:.2f} read in place, "
+                                 f"{(whole[tp] - read[tp]) / 2**30:.2f} held"
+                                 for tp in TP_SIZES)
+            lines.append(f"  {name} on {isa}, weights beside SGLang's (GiB a rank): {per_rank}")
     return lines
