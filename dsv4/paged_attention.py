@@ -59,7 +59,9 @@ def layer_extend_piece(attn: Attention, window: int, plan: CompressPlan | None) 
 @dataclass
 class LayerCaches:
     """One layer's buffers in the pool. State rings are flattened to [slots * ring, width] rows
-    (row = req_pool_idx * ring + position % ring; the last row is the pool's scratch row)."""
+    (row = req_pool_idx * ring + position % ring; the last row is the pool's scratch row). The
+    indexer's keys lie in the order the pool's ``indexer_key_tile`` names
+    (``kv_layout.INDEX_KEY_TILES``: 0 row-major, 16 in 16 x 16 tiles)."""
     swa: torch.Tensor
     swa_page_size: int
     compressed: torch.Tensor | None = None
@@ -67,6 +69,7 @@ class LayerCaches:
     state: torch.Tensor | None = None
     index: torch.Tensor | None = None
     index_page_size: int = 0
+    index_key_tile: int = 0
     index_state: torch.Tensor | None = None
 
     @classmethod
@@ -79,6 +82,7 @@ class LayerCaches:
         if ratio == 4:
             c.index = pool.get_indexer_cache(layer_id)
             c.index_page_size = c.compressed_page_size
+            c.index_key_tile = pool.indexer_key_tile
             c.index_state = _rows(pool.get_indexer_compressor_state(layer_id))
         return c
 
@@ -117,23 +121,26 @@ def run_compressor(comp: Compressor, x: torch.Tensor, plan: CompressPlan, state:
 
 
 def select_rows(indexer: Indexer, qr, x, freqs_cis, positions, plan: CompressPlan,
-                rows: slice, cache, page_size: int,
+                rows: slice, caches: LayerCaches,
                 options: Options) -> tuple[torch.Tensor, torch.Tensor]:
     """(compressed locations [n, k], valid [n, k]) the indexer keeps for the queries in rows (qr,
-    x, positions: theirs; freqs_cis: the layer's RoPE table). The scores are one op reading the
-    FP8 key cache in place (a Triton kernel on a GPU); in an extend, one per request of the
-    piece, its keys read once for all its queries."""
+    x, positions: theirs; freqs_cis: the layer's RoPE table; caches: the layer's, whose indexer
+    keys are scored). The scores are one op reading the FP8 key cache in place (a Triton kernel
+    on a GPU); in an extend, one per request of the piece, its keys read once for all its
+    queries."""
     q = indexer.project_q(qr, freqs_cis, positions, options.reference, options.kernel)
     w = indexer.head_weights(x, options.reference, options.kernel)
     loc, visible = plan.candidates(rows)
     if plan.row_request is None:
-        scores = indexer_scores(q, w, cache, loc, visible, page_size,
-                                weight_scale=indexer.weight_scale, kernel=options.kernel)
+        scores = indexer_scores(q, w, caches.index, loc, visible, caches.index_page_size,
+                                weight_scale=indexer.weight_scale,
+                                key_tile=caches.index_key_tile, kernel=options.kernel)
     else:   # an extend: the queries of a request share its candidates, each key read once
         scores = torch.cat([
-            indexer_scores_shared(q[run], w[run], cache, plan.row_loc[request], visible[run],
-                                  page_size, weight_scale=indexer.weight_scale,
-                                  kernel=options.kernel)
+            indexer_scores_shared(q[run], w[run], caches.index, plan.row_loc[request],
+                                  visible[run], caches.index_page_size,
+                                  weight_scale=indexer.weight_scale,
+                                  key_tile=caches.index_key_tile, kernel=options.kernel)
             for run, request in plan.request_runs(rows)])
     pick = indexer.select(scores, visible, options, plan.row_width[rows])
     return picked_rows(loc, pick, kernel=options.kernel)
@@ -166,7 +173,7 @@ def attend(attn: Attention, q: torch.Tensor, qr: torch.Tensor, x: torch.Tensor,
         if plan is not None:
             if attn.indexer is not None:
                 comp = select_rows(attn.indexer, qr[rows], x[rows], freqs_cis, positions[rows],
-                                   plan, rows, caches.index, caches.index_page_size, options)
+                                   plan, rows, caches, options)
             else:
                 comp = plan.candidates(rows)
         if decode:
@@ -198,9 +205,11 @@ def store_compressed(caches, kernel: KernelOptions):
 def store_index_keys(caches, kernel: KernelOptions):
     """The indexer keys' store: ``set_kv.indexer_store`` with a power-of-two scale per row
     (2^ceil(log2(amax / FP8_MAX))), so the FP4-simulated keys (e2m1 values times a power of
-    two: fp8 values) read back exactly. One dispatcher op; rows with loc < 0 write nothing."""
+    two: fp8 values) read back exactly, in the pool's key order. One dispatcher op; rows with
+    loc < 0 write nothing."""
     return lambda rows, loc: set_kv.indexer_store(rows, caches.index, loc, caches.index_page_size,
-                                                  pow2_scale=True, kernel=kernel)
+                                                  pow2_scale=True, key_tile=caches.index_key_tile,
+                                                  kernel=kernel)
 
 
 class PagedAttention:

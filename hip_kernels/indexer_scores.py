@@ -8,8 +8,9 @@ scaled weights, the q.k products, relu, the weighting, the head sum), fp32 keeps
 fp32. The weight scale (the model's 128^-0.5 * Hi^-0.5) is applied inside the op as torch
 multiplies a tensor by a Python float: the product in fp32, rounded to the weights' dtype. The
 keys are the cache's rows at loc (fp8 values times their fp32 scale, see
-`kv_layout.read_indexer_rows`). Rows that are not valid score -inf, so a top-k can take the
-scores as they are.
+`kv_layout.read_indexer_rows`; `key_tile` names the order of the values in a page,
+`kv_layout.INDEX_KEY_TILES`: 0 row-major, 16 keys in 16 x 16 tiles). Rows that are not valid
+score -inf, so a top-k can take the scores as they are.
 
 The torch path (`indexer_scores_cache_ref`) dequantizes every row into an fp32 [N, C, 128]
 copy and runs the reference (`indexer_scores_ref`); the Triton kernel (`indexer_scores_triton`)
@@ -52,7 +53,8 @@ def indexer_scores_ref(q: torch.Tensor, weights: torch.Tensor,
     return (s * weights.unsqueeze(-1)).sum(1)
 
 
-def indexer_scores_cache_ref(q, weights, cache, loc, valid, page_size, weight_scale, dialect):
+def indexer_scores_cache_ref(q, weights, cache, loc, valid, page_size, weight_scale, dialect,
+                             key_tile):
     """The op's torch backend: the keys at loc dequantized (dialect: the fp8 dialect's name),
     scored by `indexer_scores_ref` with the weights times weight_scale, -inf where not valid;
     ``KEY_TILE_COLUMNS`` columns at a time, so the dequantized keys never outgrow one tile."""
@@ -60,17 +62,19 @@ def indexer_scores_cache_ref(q, weights, cache, loc, valid, page_size, weight_sc
     tiles = []
     for start in range(0, loc.shape[1], KEY_TILE_COLUMNS):
         cols = slice(start, start + KEY_TILE_COLUMNS)
-        keys = kv_layout.read_indexer_rows(cache, loc[:, cols], page_size, DIALECTS[dialect])
+        keys = kv_layout.read_indexer_rows(cache, loc[:, cols], page_size, DIALECTS[dialect],
+                                           key_tile)
         tiles.append(indexer_scores_ref(q, weights, keys))
     scores = torch.cat(tiles, 1) if tiles else weights.new_empty(loc.shape)
     return scores.masked_fill(~valid, float("-inf"))
 
 
-def _fake(q, weights, cache, loc, valid, page_size, weight_scale, dialect):
+def _fake(q, weights, cache, loc, valid, page_size, weight_scale, dialect, key_tile):
     return weights.new_empty(loc.shape)
 
 
-def indexer_scores_shared_ref(q, weights, cache, loc, valid, page_size, weight_scale, dialect):
+def indexer_scores_shared_ref(q, weights, cache, loc, valid, page_size, weight_scale, dialect,
+                              key_tile):
     """The shared op's torch backend: each tile of keys at loc [C] dequantized once for all the
     queries, scored as `indexer_scores_ref` scores them with the weights times weight_scale (the
     same bits: one q.k per entry, the same reductions), -inf where not valid."""
@@ -79,27 +83,27 @@ def indexer_scores_shared_ref(q, weights, cache, loc, valid, page_size, weight_s
     tiles = []
     for start in range(0, loc.shape[0], KEY_TILE_COLUMNS):
         keys = kv_layout.read_indexer_rows(cache, loc[start:start + KEY_TILE_COLUMNS],
-                                           page_size, DIALECTS[dialect])
+                                           page_size, DIALECTS[dialect], key_tile)
         s = torch.einsum("nhd,td->nht", q.to(dtype), keys.to(dtype)).relu()
         tiles.append((s * weights.unsqueeze(-1)).sum(1))
     scores = torch.cat(tiles, 1) if tiles else weights.new_empty(valid.shape)
     return scores.masked_fill(~valid, float("-inf"))
 
 
-def _shared_fake(q, weights, cache, loc, valid, page_size, weight_scale, dialect):
+def _shared_fake(q, weights, cache, loc, valid, page_size, weight_scale, dialect, key_tile):
     return weights.new_empty(valid.shape)
 
 
 define_op(OP, "(Tensor q, Tensor weights, Tensor cache, Tensor loc, Tensor valid, "
-          "int page_size, float weight_scale, str dialect) -> Tensor", indexer_scores_cache_ref,
-          _fake, triton="indexer_scores_triton.indexer_scores_triton")
+          "int page_size, float weight_scale, str dialect, int key_tile) -> Tensor",
+          indexer_scores_cache_ref, _fake, triton="indexer_scores_triton.indexer_scores_triton")
 define_op(SHARED_OP, "(Tensor q, Tensor weights, Tensor cache, Tensor loc, Tensor valid, "
-          "int page_size, float weight_scale, str dialect) -> Tensor",
+          "int page_size, float weight_scale, str dialect, int key_tile) -> Tensor",
           indexer_scores_shared_ref, _shared_fake,
           triton="indexer_scores_triton.indexer_scores_shared_triton")
 
 
-def _check_args(q, weights, cache, loc, valid, page_size, weight_scale, kernel,
+def _check_args(q, weights, cache, loc, valid, page_size, weight_scale, key_tile, kernel,
                 shared=False) -> None:
     check_tensor("q", q, dtypes=Q_DTYPES, shape=(None, None, kv_layout.INDEX_DIM))
     if isinstance(weight_scale, bool) or not isinstance(weight_scale, (int, float)):
@@ -108,6 +112,7 @@ def _check_args(q, weights, cache, loc, valid, page_size, weight_scale, kernel,
     dev = q.device
     check_tensor("weights", weights, dtypes=WEIGHT_DTYPES, shape=(n, heads), device=dev)
     check_page_size(page_size)
+    kv_layout.check_key_tile(key_tile, page_size)
     check_cache("cache", cache, kv_layout.indexer_page_bytes(page_size), page_size, dev)
     check_tensor("loc", loc, dtypes=(torch.int64, torch.int32),
                  shape=(None,) if shared else (n, None), device=dev)
@@ -123,11 +128,13 @@ def _check_args(q, weights, cache, loc, valid, page_size, weight_scale, kernel,
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, loc: torch.Tensor,
                    valid: torch.Tensor, page_size: int, *, weight_scale: float = 1.0,
+                   key_tile: int = 0,
                    kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
     """Scores [N, C] in weights' dtype of queries q [N, Hi, 128] (fp32 or bf16) with per-head
     weights [N, Hi] (bf16: reference numerics; fp32: fp32 numerics) times weight_scale (a float,
     applied inside the op: the product rounded to the weights' dtype) against the indexer keys
-    at loc [N, C] (int64 or int32) of cache (uint8 [pages, indexer_page_bytes(page_size)]).
+    at loc [N, C] (int64 or int32) of cache (uint8 [pages, indexer_page_bytes(page_size)], its
+    keys in key_tile's order: 0 row-major, 16 in 16 x 16 tiles).
     Entries where valid (bool [N, C]) is False score -inf; their loc is never read (0 by
     convention).
 
@@ -136,15 +143,15 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, 
     kernel then scores a valid location outside the cache NaN, never reading past it. The
     backend: kernel.backend (no HIP version: hip runs Triton where it can)."""
     check_kernel(kernel)
-    _check_args(q, weights, cache, loc, valid, page_size, weight_scale, kernel)
+    _check_args(q, weights, cache, loc, valid, page_size, weight_scale, key_tile, kernel)
     return op(OP, resolve(OP, q.device, kernel.backend))(
         q.contiguous(), weights.contiguous(), cache, loc.contiguous(), valid.contiguous(),
-        page_size, float(weight_scale), kernel.fp8_dialect.name)
+        page_size, float(weight_scale), kernel.fp8_dialect.name, key_tile)
 
 
 def indexer_scores_shared(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor,
                           loc: torch.Tensor, valid: torch.Tensor, page_size: int, *,
-                          weight_scale: float = 1.0,
+                          weight_scale: float = 1.0, key_tile: int = 0,
                           kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> torch.Tensor:
     """`indexer_scores` for queries that share one list of candidate rows, loc [C] (int64 or
     int32): an extend's queries of one request, each seeing the rows its position has closed
@@ -152,7 +159,8 @@ def indexer_scores_shared(q: torch.Tensor, weights: torch.Tensor, cache: torch.T
     query, bit for bit; the torch path dequantizes each key once for all of them instead of
     once per query. Same checks and backends as `indexer_scores`."""
     check_kernel(kernel)
-    _check_args(q, weights, cache, loc, valid, page_size, weight_scale, kernel, shared=True)
+    _check_args(q, weights, cache, loc, valid, page_size, weight_scale, key_tile, kernel,
+                shared=True)
     return op(SHARED_OP, resolve(OP, q.device, kernel.backend))(
         q.contiguous(), weights.contiguous(), cache, loc.contiguous(), valid.contiguous(),
-        page_size, float(weight_scale), kernel.fp8_dialect.name)
+        page_size, float(weight_scale), kernel.fp8_dialect.name, key_tile)

@@ -3,10 +3,12 @@ FP8 indexer cache, with no dequantized copy of the keys.
 
 One program per (query n, block of BLOCK_C compressed rows). Each row's key is loaded from the
 cache bytes (128 fp8 values times the row's fp32 scale, at the int64 offsets of
-`indexer_offsets`); the heads are padded to HEAD_BLOCK (at least 16, the smallest `tl.dot`
-tile: padded heads load zeros and get weight 0); k.q [BLOCK_C, HEAD_BLOCK] is accumulated in
-fp32 over D_CHUNK-wide slices of the 128 dims, then the head sum runs along the rows of that
-tile (rows by heads keeps the accumulator and the epilogue within 64 VGPRs on MI300).
+`indexer_offsets` and `indexer_dim_offsets`, in KEY_TILE's order); the heads are padded to
+HEAD_BLOCK (at least 16, the smallest `tl.dot` tile: padded heads load zeros and get weight 0);
+k.q [BLOCK_C, HEAD_BLOCK] is accumulated in fp32 over D_CHUNK-wide slices of the 128 dims, then
+the head sum runs along the rows of that tile (rows by heads keeps the accumulator and the
+epilogue within 64 VGPRs on MI300). D_CHUNK (16) is one tile's width, so each slice of a tiled
+key is 16 contiguous bytes, as a row-major key's.
 
 The weights are scaled in the kernel (w * w_scale in fp32, as torch multiplies a bf16 or fp32
 tensor by a Python float). BF16 (reference numerics) rounds where the torch reference does: the
@@ -27,7 +29,7 @@ import triton
 import triton.language as tl
 
 from .platform import DIALECTS, triton_interpreted
-from .triton_kv_row import INDEX_DIM, fp8_constexprs, indexer_offsets
+from .triton_kv_row import INDEX_DIM, fp8_constexprs, indexer_dim_offsets, indexer_offsets
 
 BLOCK_C = 64
 D_CHUNK = 16
@@ -54,14 +56,15 @@ def indexer_scores_kernel(q_ptr, q_stride_n, q_stride_h, w_ptr, w_stride_n, w_sc
                           loc_ptr, loc_stride_n, valid_ptr, valid_stride_n, out_ptr, n_heads,
                           n_rows, num_slots, PAGE_SIZE: tl.constexpr, FP8: tl.constexpr,
                           BF16: tl.constexpr, HEAD_BLOCK: tl.constexpr, BLOCK_C: tl.constexpr,
-                          D_CHUNK: tl.constexpr, DOT_BF16: tl.constexpr = False):
+                          D_CHUNK: tl.constexpr, DOT_BF16: tl.constexpr = False,
+                          KEY_TILE: tl.constexpr = 0):
     n = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     in_range = cols < n_rows
     loc = tl.load(loc_ptr + n * loc_stride_n + cols, mask=in_range, other=0).to(tl.int64)
     valid = tl.load(valid_ptr + n * valid_stride_n + cols, mask=in_range, other=0) != 0
     live = valid & (loc >= 0) & (loc < num_slots)
-    value_off, scale_off = indexer_offsets(loc, PAGE_SIZE)
+    value_off, scale_off = indexer_offsets(loc, PAGE_SIZE, KEY_TILE)
     scale = tl.load((cache_ptr + scale_off).to(tl.pointer_type(tl.float32)), mask=live,
                     other=0.0)
 
@@ -72,7 +75,8 @@ def indexer_scores_kernel(q_ptr, q_stride_n, q_stride_h, w_ptr, w_stride_n, w_sc
     for d0 in range(0, INDEX_DIM, D_CHUNK):
         dims = d0 + tl.arange(0, D_CHUNK)
         q = tl.load(q_cols + dims[:, None], mask=head_ok[None, :], other=0.0).to(tl.float32)
-        k_bytes = tl.load(cache_ptr + value_off[:, None] + dims[None, :], mask=live[:, None],
+        k_bytes = tl.load(cache_ptr + value_off[:, None]
+                          + indexer_dim_offsets(dims, KEY_TILE)[None, :], mask=live[:, None],
                           other=0)
         k = k_bytes.to(FP8, bitcast=True).to(tl.float32) * scale[:, None]
         if DOT_BF16:
@@ -102,7 +106,7 @@ def indexer_scores_kernel(q_ptr, q_stride_n, q_stride_h, w_ptr, w_stride_n, w_sc
 
 def indexer_scores_triton(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor,
                           loc: torch.Tensor, valid: torch.Tensor, page_size: int,
-                          weight_scale: float, dialect: str) -> torch.Tensor:
+                          weight_scale: float, dialect: str, key_tile: int) -> torch.Tensor:
     """Scores [N, C] in weights' dtype, the op's triton backend (checked arguments; see
     `indexer_scores`; dialect: the fp8 dialect's name)."""
     n, n_heads = weights.shape
@@ -116,14 +120,15 @@ def indexer_scores_triton(q: torch.Tensor, weights: torch.Tensor, cache: torch.T
             q, q.stride(0), q.stride(1), weights, weights.stride(0), float(weight_scale), cache,
             loc, loc.stride(0), valid, valid.stride(0), out, n_heads, c, cache.shape[0] * page_size,
             PAGE_SIZE=page_size, FP8=fp8, BF16=bf16, HEAD_BLOCK=head_block(n_heads),
-            BLOCK_C=BLOCK_C, D_CHUNK=D_CHUNK, DOT_BF16=bf16 and not interpreted, **LAUNCH_OPTIONS)
+            BLOCK_C=BLOCK_C, D_CHUNK=D_CHUNK, DOT_BF16=bf16 and not interpreted,
+            KEY_TILE=key_tile, **LAUNCH_OPTIONS)
     return out
 
 
 def indexer_scores_shared_triton(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor,
                                  loc: torch.Tensor, valid: torch.Tensor, page_size: int,
-                                 weight_scale: float, dialect: str) -> torch.Tensor:
+                                 weight_scale: float, dialect: str, key_tile: int) -> torch.Tensor:
     """`indexer_scores_shared`'s triton backend: the same kernel, every query reading the one
     list loc [C] (a stride-0 view, nothing copied)."""
     return indexer_scores_triton(q, weights, cache, loc.unsqueeze(0).expand(q.shape[0], -1),
-                                 valid, page_size, weight_scale, dialect)
+                                 valid, page_size, weight_scale, dialect, key_tile)

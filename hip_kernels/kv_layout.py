@@ -12,7 +12,12 @@ view of the P*584 used bytes of each page whose stride(0) is the page stride (a 
 space pages further apart, e.g. when layers with different page sizes share a block). Writers and
 readers take the page stride from `cache.stride(0)`, never from the formula.
 
-Indexer cache: 132 bytes per token, page = [P*128 fp8 values][P*4 fp32 scales].
+Indexer cache: 132 bytes per token, page = [P*128 fp8 values][P*4 fp32 scales]. The value block
+holds its keys in one of two orders, the key tile (`INDEX_KEY_TILES`): 0, row-major (slot o's
+dim d at o*128 + d, this project's pool); 16, keys in 16 x 16 tiles (a block of 16 slots is
+stored as eight 16 x 16 tiles, one per 16 dims, each tile row-major: slot o's dim d at
+(o//16)*2048 + (d//16)*256 + (o%16)*16 + d%16; P must then be a multiple of 16). The scale
+block is the same in both.
 
 Non-finite input (NaN or +-inf) is stored poisoned, the same bytes in every backend, so that a
 reader sees NaN rather than a plausible number: a 64-wide nope tile holding one gets every value
@@ -47,6 +52,7 @@ FP32_NAN = 0x7FC00000
 INDEX_DIM = 128
 INDEX_POW2_AMAX_FLOOR = 2.0 ** -126    # the smallest normal fp32: a power-of-two scale's floor
 INDEX_TOKEN_BYTES = INDEX_DIM + 4      # 132
+INDEX_KEY_TILES = (0, 16)              # 0: row-major keys; 16: keys in 16 x 16 tiles
 
 
 def page_bytes(page_size: int) -> int:
@@ -61,6 +67,25 @@ def indexer_page_bytes(page_size: int) -> int:
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
     return page_size * INDEX_TOKEN_BYTES
+
+
+def check_key_tile(key_tile, page_size: int) -> None:
+    """key_tile one of INDEX_KEY_TILES, and page_size a whole number of tiles."""
+    if isinstance(key_tile, bool) or key_tile not in INDEX_KEY_TILES:
+        raise ValueError(f"key_tile must be 0 (row-major keys) or 16 (keys in 16 x 16 tiles), "
+                         f"got {key_tile!r}")
+    if key_tile and page_size % key_tile:
+        raise ValueError(f"page_size must be a multiple of key_tile={key_tile} (whole tiles of "
+                         f"slots), got {page_size}")
+
+
+def indexer_value_offset(slot: torch.Tensor, dim: torch.Tensor, key_tile: int = 0) -> torch.Tensor:
+    """Offset of (slot in page, dim) in a page's value block, in the key tile's order (see the
+    module docstring); the arguments broadcast."""
+    if not key_tile:
+        return slot * INDEX_DIM + dim
+    t = key_tile
+    return (slot // t) * (t * INDEX_DIM) + (dim // t) * (t * t) + (slot % t) * t + dim % t
 
 
 def value_offset(loc: torch.Tensor, page_size: int, page_stride: int | None = None) -> torch.Tensor:
@@ -231,28 +256,46 @@ def quantize_indexer_rows(k: torch.Tensor, dialect: Fp8Dialect,
     return q, torch.where(poisoned, nan, scale)
 
 
+def indexer_byte_index(loc: torch.Tensor, page_size: int, key_tile: int = 0):
+    """int64 offsets in a flattened indexer cache of each location's key bytes [N, 128] (dim
+    order, placed in the key tile's order) and fp32 scale bytes [N, 4] (every loc >= 0)."""
+    loc = loc.to(torch.int64)
+    base = (loc // page_size) * indexer_page_bytes(page_size)
+    t = loc % page_size
+    dims = torch.arange(INDEX_DIM, device=loc.device, dtype=torch.int64)
+    values = base[:, None] + indexer_value_offset(t[:, None], dims, key_tile)
+    return values, _byte_index(base + page_size * INDEX_DIM + t * 4, 4)
+
+
 def write_indexer_bytes(cache: torch.Tensor, loc: torch.Tensor, page_size: int,
-                        q: torch.Tensor, scale: torch.Tensor) -> None:
-    """Scatter quantized indexer rows into the 132-byte layout; rows with loc < 0 or past the
-    cache's slots are skipped."""
+                        q: torch.Tensor, scale: torch.Tensor, key_tile: int = 0) -> None:
+    """Scatter quantized indexer rows into the 132-byte layout, the values in the key tile's
+    order; rows with loc < 0 or past the cache's slots are skipped."""
+    check_key_tile(key_tile, page_size)
     keep = (loc >= 0) & (loc < cache.shape[0] * page_size)
-    safe = torch.where(keep, loc, torch.zeros_like(loc)).to(torch.int64)
-    base = (safe // page_size) * indexer_page_bytes(page_size)
-    t = safe % page_size
+    safe = torch.where(keep, loc, torch.zeros_like(loc))
+    values, scales = indexer_byte_index(safe, page_size, key_tile)
     flat = cache.view(-1)
-    scatter_bytes(flat, _byte_index(base + t * INDEX_DIM, INDEX_DIM),
-                  q.contiguous().view(torch.uint8), keep)
-    scatter_bytes(flat, _byte_index(base + page_size * INDEX_DIM + t * 4, 4),
-                  scale.to(torch.float32).contiguous().view(torch.uint8).view(-1, 4), keep)
+    scatter_bytes(flat, values, q.contiguous().view(torch.uint8), keep)
+    scatter_bytes(flat, scales, scale.to(torch.float32).contiguous().view(torch.uint8).view(-1, 4),
+                  keep)
 
 
 def read_indexer_rows(cache: torch.Tensor, loc: torch.Tensor, page_size: int,
-                      dialect: Fp8Dialect) -> torch.Tensor:
+                      dialect: Fp8Dialect, key_tile: int = 0) -> torch.Tensor:
     """Dequantized indexer keys float32 [*loc.shape, 128] of an indexer cache ([pages, page
-    bytes]: page = [P x 128 fp8][P x 4 fp32 scale]) at loc (every loc >= 0)."""
-    values = cache[:, :page_size * INDEX_DIM].view(-1, page_size, INDEX_DIM)
+    bytes]: page = [P x 128 fp8, in the key tile's order][P x 4 fp32 scale]) at loc (every
+    loc >= 0). Each key is gathered through a view of the value block (one index per key)."""
+    check_key_tile(key_tile, page_size)
+    block = cache[:, :page_size * INDEX_DIM]
     scales = cache[:, page_size * INDEX_DIM:page_size * (INDEX_DIM + 4)].view(-1, page_size, 4)
     loc = loc.long()
     page, off = loc // page_size, loc % page_size
-    q = values[page, off].view(dialect.torch_dtype).float()
+    if key_tile:
+        t = key_tile       # [page, slot block, dim block, slot in block, dim in block]
+        tiles = block.view(-1, page_size // t, INDEX_DIM // t, t, t)
+        values = tiles[page, off // t, :, off % t, :].flatten(-2)
+    else:
+        values = block.view(-1, page_size, INDEX_DIM)[page, off]
+    q = values.view(dialect.torch_dtype).float()
     return q * scales[page, off].view(torch.float32)

@@ -48,7 +48,7 @@ SCHEMAS = {
         "int page_size"),
     "indexer_store": (
         "Tensor k, Tensor(a!) cache, Tensor out_loc, int page_size, str dialect, "
-        "bool pow2_scale"),
+        "bool pow2_scale, int key_tile"),
     "fused_translate_norm_rope_store": (
         "Tensor kv, Tensor? weight, float eps, Tensor freqs_cis, Tensor positions, "
         "Tensor full_loc, Tensor full_to_swa, Tensor(a!) cache, int page_size, "
@@ -170,14 +170,17 @@ def store_kv_pack(nope_fp8, rope_bf16, scales, cache, out_loc, page_size, *,
     op("store_kv_pack", backend)(nope_fp8, rope_bf16, scales, cache, out_loc, page_size)
 
 
-def indexer_store(k, cache, out_loc, page_size, pow2_scale: bool = False, *,
+def indexer_store(k, cache, out_loc, page_size, pow2_scale: bool = False, *, key_tile: int = 0,
                   kernel: KernelOptions = DEFAULT_KERNEL_OPTIONS) -> None:
     """Quantize indexer keys [N, 128] (fp32 scale per row) into the 132-byte indexer layout.
     pow2_scale: the scale is a power of two (2^ceil(log2(amax / FP8_MAX))), so FP4-simulated
-    keys (e2m1 values times a power of two) read back exactly; else amax / FP8_MAX."""
+    keys (e2m1 values times a power of two) read back exactly; else amax / FP8_MAX. key_tile:
+    the order of the values in a page (`kv_layout.INDEX_KEY_TILES`: 0 row-major, 16 keys in
+    16 x 16 tiles)."""
     check_kernel(kernel)
     check_tensor("k", k, dtypes=FLOATS, shape=(None, L.INDEX_DIM), last_contiguous=True)
     check_page_size(page_size)
+    L.check_key_tile(key_tile, page_size)
     check_cache("cache", cache, L.indexer_page_bytes(page_size), page_size, k.device)
     check_locations("out_loc", out_loc, k.shape[0], cache.shape[0] * page_size, k.device,
                     kernel)
@@ -185,7 +188,8 @@ def indexer_store(k, cache, out_loc, page_size, pow2_scale: bool = False, *,
     if not isinstance(pow2_scale, bool):
         raise TypeError(f"pow2_scale must be a bool, got {type(pow2_scale).__name__}")
     backend = resolve("indexer_store", k.device, kernel.backend)
-    op("indexer_store", backend)(k, cache, out_loc, page_size, kernel.fp8_dialect.name, pow2_scale)
+    op("indexer_store", backend)(k, cache, out_loc, page_size, kernel.fp8_dialect.name, pow2_scale,
+                                 key_tile)
 
 
 def fused_translate_norm_rope_store(kv, weight, eps, freqs_cis, positions, full_loc, full_to_swa,

@@ -127,9 +127,10 @@ def store_kv_pack(nope_fp8, rope_bf16, scales, cache, out_loc, page_size) -> Non
     L.write_kv_bytes(cache, out_loc, page_size, values, scale_bytes)
 
 
-def indexer_store(k, cache, out_loc, page_size, dialect: str, pow2_scale: bool) -> None:
+def indexer_store(k, cache, out_loc, page_size, dialect: str, pow2_scale: bool,
+                  key_tile: int) -> None:
     qk, scale = L.quantize_indexer_rows(k, DIALECTS[dialect], pow2_scale)
-    L.write_indexer_bytes(cache, out_loc, page_size, qk, scale)
+    L.write_indexer_bytes(cache, out_loc, page_size, qk, scale, key_tile)
 
 
 def translate_full_to_swa(full_loc: torch.Tensor, full_to_swa: torch.Tensor) -> torch.Tensor:

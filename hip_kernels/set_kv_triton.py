@@ -17,10 +17,10 @@ from .numerics import Q_MODES
 from .platform import DIALECTS
 from .triton_kv_row import (AMAX_FLOOR, FP32_NAN, INDEX_DIM, INDEX_POW2_AMAX_FLOOR,
                             LAUNCH_OPTIONS, N_TILES, NOPE_DIM, SCALE_BYTES, bf16_rms_inverse,
-                            canonical_nan_bf16, fp8_bits, fp8_constexprs, indexer_offsets,
-                            is_finite, load_nope, load_rope, nope_offsets, quantize_tiles,
-                            rms_inverse, rope_offsets, rotate_pairs, rotate_pairs_fma,
-                            store_kv_row)
+                            canonical_nan_bf16, fp8_bits, fp8_constexprs, indexer_dim_offsets,
+                            indexer_offsets, is_finite, load_nope, load_rope, nope_offsets,
+                            quantize_tiles, rms_inverse, rope_offsets, rotate_pairs,
+                            rotate_pairs_fma, store_kv_row)
 
 
 @triton.jit
@@ -221,11 +221,11 @@ def store_kv_pack(nope_fp8, rope_bf16, scales, cache, out_loc, page_size) -> Non
 def indexer_store_kernel(k_ptr, k_stride, loc_ptr, loc_stride, cache_ptr, num_slots,
                          PAGE_SIZE: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
                          FP8_NAN: tl.constexpr, SOFT_FP8: tl.constexpr,
-                         POW2_SCALE: tl.constexpr = False):
+                         POW2_SCALE: tl.constexpr = False, KEY_TILE: tl.constexpr = 0):
     """One indexer key [128] per program: fp32 scale max(amax, 1e-4) / FP8_MAX (POW2_SCALE:
     2^ceil(log2(max(amax, 2^-126) / FP8_MAX)) from the fp32 bits), values k / scale cast to
-    fp8, in the 132-byte layout; a key holding a NaN or inf is poisoned (FP8_NAN bytes, NaN
-    scale)."""
+    fp8, in the 132-byte layout with the values in KEY_TILE's order; a key holding a NaN or inf
+    is poisoned (FP8_NAN bytes, NaN scale)."""
     row = tl.program_id(0).to(tl.int64)
     loc = tl.load(loc_ptr + row * loc_stride).to(tl.int64)
     dims = tl.arange(0, INDEX_DIM)
@@ -245,16 +245,16 @@ def indexer_store_kernel(k_ptr, k_stride, loc_ptr, loc_stride, cache_ptr, num_sl
     q = tl.where(poisoned, FP8_NAN, q).to(tl.uint8)
     scale = tl.where(poisoned, tl.full([], FP32_NAN, tl.int32).to(tl.float32, bitcast=True),
                      scale)
-    value_off, scale_off = indexer_offsets(loc, PAGE_SIZE)
+    value_off, scale_off = indexer_offsets(loc, PAGE_SIZE, KEY_TILE)
     keep = (loc >= 0) & (loc < num_slots)
-    tl.store(cache_ptr + value_off + dims, q, mask=keep)
+    tl.store(cache_ptr + value_off + indexer_dim_offsets(dims, KEY_TILE), q, mask=keep)
     tl.store((cache_ptr + scale_off).to(tl.pointer_type(tl.float32)), scale, mask=keep)
 
 
-def indexer_store(k, cache, out_loc, page_size, dialect, pow2_scale) -> None:
+def indexer_store(k, cache, out_loc, page_size, dialect, pow2_scale, key_tile) -> None:
     if k.shape[0] == 0:
         return
     indexer_store_kernel[(k.shape[0],)](
         k, k.stride(0), out_loc, out_loc.stride(0), cache, cache.shape[0] * page_size,
         PAGE_SIZE=page_size, **fp8_constexprs(DIALECTS[dialect], device=cache.device),
-        POW2_SCALE=pow2_scale, **LAUNCH_OPTIONS)
+        POW2_SCALE=pow2_scale, KEY_TILE=key_tile, **LAUNCH_OPTIONS)

@@ -76,10 +76,13 @@ def _variants(dialect):
             {"loc_stride": 1, **c4_page}),
         "indexer_store": (
             K.indexer_store_kernel, {"k_ptr": "*bf16", "k_stride": "i32:D", **loc},
-            {"loc_stride": 1, "PAGE_SIZE": 64, **fp8, "POW2_SCALE": False}),
+            {"loc_stride": 1, "PAGE_SIZE": 64, **fp8, "POW2_SCALE": False, "KEY_TILE": 0}),
         "indexer_store (pow2 scale, the model's)": (
             K.indexer_store_kernel, {"k_ptr": "*bf16", "k_stride": "i32:D", **loc},
-            {"loc_stride": 1, "PAGE_SIZE": 64, **fp8, "POW2_SCALE": True}),
+            {"loc_stride": 1, "PAGE_SIZE": 64, **fp8, "POW2_SCALE": True, "KEY_TILE": 0}),
+        "indexer_store (pow2 scale, keys in 16 x 16 tiles)": (
+            K.indexer_store_kernel, {"k_ptr": "*bf16", "k_stride": "i32:D", **loc},
+            {"loc_stride": 1, "PAGE_SIZE": 64, **fp8, "POW2_SCALE": True, "KEY_TILE": 16}),
         "hc_split": _hc_split_variant(),
         **_indexer_scores_variants(dialect),
         **_decode_attention_variants(dialect),
@@ -275,12 +278,13 @@ def _attention_projection_variants():
 
 def _indexer_scores_variants(dialect):
     """The indexer's scores as the model runs them (64 heads, bf16 q, page size 64), in both
-    numerics: bf16 on the bf16 matrix cores (as launched on a GPU), fp32 with IEEE fp32 dots.
+    numerics: bf16 on the bf16 matrix cores (as launched on a GPU), fp32 with IEEE fp32 dots;
+    bf16 also over keys in 16 x 16 tiles.
     A 4th element: the kernel's own launch options (four waves, one stage)."""
     from . import indexer_scores_triton as S
     from .triton_kv_row import fp8_constexprs
 
-    def variant(bf16):
+    def variant(bf16, key_tile=0):
         w = "*bf16" if bf16 else "*fp32"
         sig = {"q_ptr": "*bf16", "q_stride_n": "i32:D", "q_stride_h": "i32:D", "w_ptr": w,
                "w_stride_n": "i32:D", "w_scale": "fp32", "cache_ptr": "*u8", "loc_ptr": "*i64",
@@ -288,11 +292,12 @@ def _indexer_scores_variants(dialect):
                "n_heads": "i32:D", "n_rows": "i32", "num_slots": "i32"}
         cex = {"PAGE_SIZE": 64, "FP8": fp8_constexprs(dialect)["FP8"], "BF16": bf16,
                "HEAD_BLOCK": S.head_block(64), "BLOCK_C": S.BLOCK_C, "D_CHUNK": S.D_CHUNK,
-               "DOT_BF16": bf16}
+               "DOT_BF16": bf16, "KEY_TILE": key_tile}
         return S.indexer_scores_kernel, sig, cex, S.LAUNCH_OPTIONS
 
     return {"indexer_scores (bf16, reference)": variant(True),
-            "indexer_scores (fp32)": variant(False)}
+            "indexer_scores (fp32)": variant(False),
+            "indexer_scores (bf16, keys in 16 x 16 tiles)": variant(True, 16)}
 
 
 def _decode_attention_variants(dialect):

@@ -4,8 +4,8 @@ A row is held as a [8, 64] nope block (tiles 0..6; tile 7 is masked padding so t
 power of two) and a [32, 2] block of interleaved RoPE pairs. Every load is upcast to fp32 before
 arithmetic; every rounding matches `set_kv_ref` (RNE casts, `sqrt_rn`/`div_rn`, kernels compiled
 with fp fusion off so `a*c - b*d` is never contracted into an fma). Byte offsets are int64 and
-computed only by `kv_value_offset` / `kv_scale_offset` / `indexer_offsets`, which the tests call
-with locations whose offsets pass 2^31.
+computed only by `kv_value_offset` / `kv_scale_offset` / `indexer_offsets` (with
+`indexer_dim_offsets`), which the tests call with locations whose offsets pass 2^31.
 """
 
 from __future__ import annotations
@@ -81,12 +81,28 @@ def kv_scale_offset(loc, PAGE_SIZE: tl.constexpr, PAGE_BYTES: tl.constexpr):
 
 
 @triton.jit
-def indexer_offsets(loc, PAGE_SIZE: tl.constexpr):
-    """int64 byte offsets (values, fp32 scale) of a location in the 132-byte indexer layout."""
+def indexer_offsets(loc, PAGE_SIZE: tl.constexpr, KEY_TILE: tl.constexpr):
+    """int64 byte offsets (dim 0 of the key, fp32 scale) of a location in the 132-byte indexer
+    layout whose keys are in KEY_TILE's order (`kv_layout.indexer_value_offset`); dim d of the
+    key is at the first plus `indexer_dim_offsets(d, KEY_TILE)`."""
     loc = loc.to(tl.int64)
     base = (loc // PAGE_SIZE) * (PAGE_SIZE * (INDEX_DIM + 4))
     t = loc % PAGE_SIZE
-    return base + t * INDEX_DIM, base + PAGE_SIZE * INDEX_DIM + t * 4
+    if KEY_TILE == 0:
+        value = base + t * INDEX_DIM
+    else:
+        value = base + (t // KEY_TILE) * (KEY_TILE * INDEX_DIM) + (t % KEY_TILE) * KEY_TILE
+    return value, base + PAGE_SIZE * INDEX_DIM + t * 4
+
+
+@triton.jit
+def indexer_dim_offsets(dims, KEY_TILE: tl.constexpr):
+    """Offsets of key dims from the key's dim 0 in KEY_TILE's order: the dims themselves
+    (row-major), or (d // KEY_TILE) * KEY_TILE^2 + d % KEY_TILE (tiles)."""
+    if KEY_TILE == 0:
+        return dims
+    else:
+        return (dims // KEY_TILE) * (KEY_TILE * KEY_TILE) + dims % KEY_TILE
 
 
 @triton.jit

@@ -4,7 +4,8 @@ full->SWA translation with its identity-keyed cache (see swa_loc_cache.py).
 Layer ids are global (a pipeline stage holds spec.start_layer..spec.end_layer-1). Page 0 of every
 paged cache, SWA slot 0 and request slot 0 are dummies that padded graph rows write to; state
 ring row `max_num_reqs` is the scratch row that request index -1 lands on. Every state ring is a
-request slot's (`state_ring_swa_page` is empty: no ratio's rings go by SWA page).
+request slot's (`state_ring_swa_page` is empty: no ratio's rings go by SWA page). The indexer
+caches hold their keys row-major (`indexer_key_tile` 0, see `hip_kernels.kv_layout`).
 
 The pool holds the buffers; the KV rows a step stores are written by the set-KV kernels of
 hip_kernels, given a layer's cache (`get_swa_cache(layer_id)`), the slots and `page_size`.
@@ -72,6 +73,7 @@ class DeepSeekV4TokenToKVPool:
             self.indexer_compressor_states = {i: self._state(STATE_RING[4], INDEXER_STATE_WIDTH)
                                               for i in c4}
         self.state_ring_swa_page: dict[int, int] = {}   # ratio -> SWA page size of its rings
+        self.indexer_key_tile = 0                          # indexer keys row-major
         self.full_to_swa_index_mapping: torch.Tensor | None = None
         self.swa_loc_stats = SwaLocStats()
         self._loc_cache = SwaLocCache(self.swa_loc_stats,

@@ -36,31 +36,21 @@ class KVHostCopy:
     states: dict[str, dict[int, torch.Tensor]] | None    # per state table: layer -> [ring, width]
 
 
-def _byte_index(offsets: torch.Tensor, width: int) -> torch.Tensor:
-    return offsets[:, None] + torch.arange(width, device=offsets.device)
-
-
-def _indexer_offsets(rows: torch.Tensor, page_size: int):
-    base = rows // page_size * kv_layout.indexer_page_bytes(page_size)
-    t = rows % page_size
-    return base + t * kv_layout.INDEX_DIM, base + page_size * kv_layout.INDEX_DIM + t * 4
-
-
 def _read_rows(family: str, cache: torch.Tensor, rows: torch.Tensor, page_size: int):
     if family == "indexer":
-        values, scales = _indexer_offsets(rows, page_size)
+        values, scales = kv_layout.indexer_byte_index(rows, page_size)
         flat = cache.view(-1)
-        return flat[_byte_index(values, kv_layout.INDEX_DIM)], flat[_byte_index(scales, 4)]
+        return flat[values], flat[scales]
     return kv_layout.read_kv_bytes(cache, rows, page_size)
 
 
 def _write_rows(family: str, cache: torch.Tensor, rows: torch.Tensor, page_size: int,
                 values: torch.Tensor, scales: torch.Tensor) -> None:
     if family == "indexer":
-        value_at, scale_at = _indexer_offsets(rows, page_size)
+        value_at, scale_at = kv_layout.indexer_byte_index(rows, page_size)
         flat = cache.view(-1)
-        flat[_byte_index(value_at, kv_layout.INDEX_DIM).flatten()] = values.flatten()
-        flat[_byte_index(scale_at, 4).flatten()] = scales.flatten()
+        flat[value_at.flatten()] = values.flatten()
+        flat[scale_at.flatten()] = scales.flatten()
     else:
         kv_layout.write_kv_bytes(cache, rows, page_size, values, scales)
 

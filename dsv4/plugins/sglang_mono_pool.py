@@ -11,7 +11,9 @@ SGLang's own getters map; state pools by the global layer id):
 - ``get_compressed_cache`` / ``compressed_page_size``: `get_extra_key_buffer` (SGLang hands it
   out as fp8: viewed as its uint8 bytes) and `get_extra_key_page_size`;
 - ``get_indexer_cache``: `get_index_k_with_scale_buffer`, the page of FP8 payloads then fp32
-  scales, as ours;
+  scales, as ours; the payload row-major, or in 16 x 16 tiles when SGLang preshuffles it for
+  aiter's paged MQA (``indexer_key_tile`` 16: the model's indexer kernels read and write that
+  order; the tile order was read from SGLang's source, its fused_norm_rope_v2.cuh store);
 - ``get_compressor_state`` / ``get_indexer_compressor_state``: the flat fp32 [rows, width]
   `kv_score` of `get_attention_compress_states` / `get_indexer_compress_states`. SGLang keeps a
   C4 ring per SWA page (``state_ring_swa_page`` says so, the attention plan addresses rows
@@ -39,6 +41,9 @@ from mem_pool.kv_cache_spec import ATTN_STATE_WIDTH, INDEXER_STATE_WIDTH, STATE_
 from .sglang import not_plain_v4_pool
 
 INDEXER_BYTES_PER_TOKEN = 128 + 4       # FP8 payload, fp32 scale
+
+
+PRESHUFFLE_TILE = 16                    # the tile SGLang's preshuffled indexer payload uses
 
 
 def _indexer_preshuffled() -> bool:
@@ -99,8 +104,9 @@ def _ratio_problem(pool, ratio: int, layer_id: int) -> str | None:
         if index.get_bytes_per_token() != INDEXER_BYTES_PER_TOKEN:
             return (f"its indexer keeps {index.get_bytes_per_token()} bytes a row, not "
                     f"{INDEXER_BYTES_PER_TOKEN}")
-        if _indexer_preshuffled():
-            return "its indexer payload is preshuffled in 16 x 16 tiles (aiter's paged MQA)"
+        if _indexer_preshuffled() and index.page_size % PRESHUFFLE_TILE:
+            return (f"its indexer payload is in {PRESHUFFLE_TILE} x {PRESHUFFLE_TILE} tiles but "
+                    f"its page holds {index.page_size} rows, not a whole number of tiles")
         states.append(("indexer", pool.get_indexer_compress_states(layer_id),
                        INDEXER_STATE_WIDTH))
     for what, state, width in states:
@@ -133,6 +139,8 @@ class SGLangMonoPool:
         self.page_size = pool.page_size
         # SGLang's C4 rings (attention and indexer) are per SWA page; its C128 rings per slot.
         self.state_ring_swa_page = {4: pool.swa_page_size} if 4 in compress_ratios else {}
+        # SGLang's decision, read once: the model reads and writes the indexer keys in its order.
+        self.indexer_key_tile = PRESHUFFLE_TILE if _indexer_preshuffled() else 0
 
     @property
     def full_to_swa_index_mapping(self) -> torch.Tensor:

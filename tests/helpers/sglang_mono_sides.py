@@ -7,7 +7,8 @@ so requests hold other request slots and other locations on each side: rows are 
 side's locations, and the compressor state rows through each side's addressing (SGLang: a C4
 ring per SWA page, a C128 ring per request slot; ours: a ring per request slot). SGLang's C4
 rings start as `torch.empty`; here every row but its empty sentinel starts as NaN, so a row read
-before its request wrote it would show in the logits.
+before its request wrote it would show in the logits. An indexer key is compared in dim order,
+read from its page by the side's key order (`indexer_key_bytes`).
 """
 
 import torch
@@ -158,10 +159,25 @@ def run(model, side, prompt_lens, steps, options, seed=0):
     return out
 
 
-def rows_by_position(side, layer, ratio):
+def indexer_key_bytes(cache, page, off, page_size, tile):
+    """(the 128 payload bytes of slot off of page, in dim order; its 4 scale bytes). tile 0: the
+    payload row by row; 16: SGLang's preshuffled 16 x 16 tiles, dim d of slot o at
+    (o // 16) * 2048 + (d // 16) * 256 + (o % 16) * 16 + d % 16 (as SGLang's indexer stores
+    write it: its Triton `_set_k_and_s_triton_kernel` and fused_norm_rope_v2.cuh)."""
+    d = torch.arange(INDEX_DIM)
+    at = (off * INDEX_DIM + d if not tile else
+          (off // tile) * (tile * INDEX_DIM) + (d // tile) * tile * tile + (off % tile) * tile
+          + d % tile)
+    scale = page_size * INDEX_DIM + off * 4
+    return cache[page, at], cache[page, scale:scale + 4]
+
+
+def rows_by_position(side, layer, ratio, key_tile=None):
     """Every KV and state row the side holds for its requests, keyed by (request, what,
-    position), as bytes."""
+    position), as bytes; indexer keys read in the pool's key order (``indexer_key_tile``), or
+    in key_tile's if given."""
     pool, got = side.pool, {}
+    tile = pool.indexer_key_tile if key_tile is None else key_tile
     for i, (slot, n) in enumerate(zip(side.slots, side.lens)):
         locs = side.r2t[slot, :n].long()
         swa = pool.full_to_swa_index_mapping[locs]
@@ -180,11 +196,9 @@ def rows_by_position(side, layer, ratio):
         tables = [("state", pool.get_compressor_state(layer))]
         if ratio == 4:
             cache = pool.get_indexer_cache(layer)
-            pg, off = c_loc // page, c_loc % page
             for c in range(c_loc.shape[0]):
-                got[i, "indexer", c] = (
-                    cache[pg[c], off[c] * INDEX_DIM:(off[c] + 1) * INDEX_DIM],
-                    cache[pg[c], page * INDEX_DIM + off[c] * 4:page * INDEX_DIM + off[c] * 4 + 4])
+                got[i, "indexer", c] = indexer_key_bytes(cache, int(c_loc[c]) // page,
+                                                         int(c_loc[c]) % page, page, tile)
             tables.append(("indexer_state", pool.get_indexer_compressor_state(layer)))
         rows = side.state_rows(layer, slot, positions, swa[positions])
         for name, table in tables:

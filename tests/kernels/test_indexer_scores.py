@@ -287,7 +287,7 @@ def test_the_meta_implementation_gives_the_shape_and_dtype():
         torch.empty(3, 8, 128, **meta), torch.empty(3, 8, dtype=torch.bfloat16, **meta),
         torch.empty(2, L.indexer_page_bytes(PAGE), dtype=torch.uint8, **meta),
         torch.empty(3, 11, dtype=torch.int64, **meta), torch.empty(3, 11, dtype=torch.bool, **meta),
-        PAGE, 1.0, "ocp")
+        PAGE, 1.0, "ocp", 0)
     assert out.shape == (3, 11) and out.dtype == torch.bfloat16
 
 

@@ -158,7 +158,7 @@ def test_indexer_keys_with_a_nonfinite_value_are_poisoned(dialect):
     d = DIALECTS[dialect]
     args = indexer_case()
     ref = clone_args(args)
-    R.indexer_store(**ref, dialect=d.name, pow2_scale=False)
+    R.indexer_store(**ref, dialect=d.name, pow2_scale=False, key_tile=0)
     for row, loc in enumerate(args["out_loc"].tolist()):
         page = ref["cache"][loc // P]
         vals = page[loc % P * L.INDEX_DIM:][:L.INDEX_DIM]

@@ -1,7 +1,8 @@
 """64-bit byte offsets in the Triton set-KV kernels.
 
-1. The offset helpers every kernel uses (`kv_value_offset`, `kv_scale_offset`, `indexer_offsets`)
-   are run in a tiny kernel on int32 and int64 locations whose offsets pass 2^31 and 2^32.
+1. The offset helpers every kernel uses (`kv_value_offset`, `kv_scale_offset`, `indexer_offsets`
+   in both key orders) are run in a tiny kernel on int32 and int64 locations whose offsets pass
+   2^31 and 2^32.
 2. The real kernels write rows past 2^32 bytes into a cache of more than 4 GiB that costs no
    memory: on a CPU it is an anonymous mmap (only the pages written to are ever backed).
 """
@@ -30,12 +31,12 @@ TWO_32 = 2 ** 32
 
 @triton.jit
 def offsets_kernel(loc_ptr, out_ptr, N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                   PAGE_BYTES: tl.constexpr):
+                   PAGE_BYTES: tl.constexpr, KEY_TILE: tl.constexpr):
     i = tl.arange(0, N)
     loc = tl.load(loc_ptr + i)
     tl.store(out_ptr + i * 4, kv_value_offset(loc, PAGE_SIZE, PAGE_BYTES))
     tl.store(out_ptr + i * 4 + 1, kv_scale_offset(loc, PAGE_SIZE, PAGE_BYTES))
-    value_off, scale_off = indexer_offsets(loc, PAGE_SIZE)
+    value_off, scale_off = indexer_offsets(loc, PAGE_SIZE, KEY_TILE)
     tl.store(out_ptr + i * 4 + 2, value_off)
     tl.store(out_ptr + i * 4 + 3, scale_off)
 
@@ -49,19 +50,21 @@ def large_locations(page_size, dtype):
     return torch.tensor(locs, dtype=dtype)
 
 
-@pytest.mark.parametrize("page_size", [1, 2, 64, 256])
+@pytest.mark.parametrize("page_size, key_tile", [(1, 0), (2, 0), (64, 0), (256, 0), (64, 16),
+                                                 (256, 16)])
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
-def test_offset_helpers_are_64_bit(page_size, dtype):
+def test_offset_helpers_are_64_bit(page_size, key_tile, dtype):
     loc = large_locations(page_size, dtype)
     out = torch.zeros(len(loc), 4, dtype=torch.int64, device=DEV)
     offsets_kernel[(1,)](loc.to(DEV), out, N=len(loc), PAGE_SIZE=page_size,
-                         PAGE_BYTES=L.page_bytes(page_size))
+                         PAGE_BYTES=L.page_bytes(page_size), KEY_TILE=key_tile)
     got = out.cpu()
     l64 = loc.long()
     ibase = (l64 // page_size) * L.indexer_page_bytes(page_size)
+    t = l64 % page_size
+    key = (t // 16 * 16 * L.INDEX_DIM + t % 16 * 16) if key_tile else t * L.INDEX_DIM
     want = torch.stack([L.value_offset(loc, page_size), L.scale_offset(loc, page_size),
-                        ibase + (l64 % page_size) * L.INDEX_DIM,
-                        ibase + page_size * L.INDEX_DIM + (l64 % page_size) * 4], 1)
+                        ibase + key, ibase + page_size * L.INDEX_DIM + t * 4], 1)
     assert (want.max() > TWO_32) and torch.equal(got, want)
 
 

@@ -10,7 +10,8 @@ per (request, position), read at each side's locations, and the compressor state
 each side's addressing (SGLang: a C4 ring per SWA page, a C128 ring per request slot; ours: a
 ring per request slot). SGLang's C4 rings start as `torch.empty`; here every row but its empty
 sentinel starts as NaN, so a row read before its request wrote it would show in the logits.
-Also: the decode plans on attention_plan's Triton kernel (interpreted), the window stores
+Also: SGLang's indexer keys in its preshuffled 16 x 16 tiles (the model reads and writes them in
+that order), the decode plans on attention_plan's Triton kernel (interpreted), the window stores
 translating through SGLang's mapping themselves, and each pool the view refuses, by name."""
 
 import dataclasses
@@ -26,8 +27,8 @@ pytest.importorskip("sglang.srt.mem_cache.deepseek_v4_memory_pool",
                     reason="SGLang is not installed (see README)")
 
 from dsv4.plugins.sglang_mono_pool import SGLangMonoPool, mono_pool_problem  # noqa: E402
-from sglang_mono_sides import (MAX_CTX, PAGE, TORCH, assert_same_kv, our_side, run,  # noqa: E402
-                               sglang_side)
+from sglang_mono_sides import (MAX_CTX, PAGE, TORCH, assert_same_kv, our_side,  # noqa: E402
+                               rows_by_position, run, sglang_side)
 from tiny_model import tiny_model  # noqa: E402
 
 
@@ -51,6 +52,29 @@ def test_the_model_over_sglangs_pool_writes_and_computes_what_it_does_over_ours(
         assert torch.equal(g.view(torch.int32), w.view(torch.int32))
         assert not g.isnan().any()
     assert_same_kv(model, ours, theirs)
+
+
+def test_sglangs_preshuffled_indexer_keys_are_read_and_written_in_their_tiles(model,
+                                                                              monkeypatch):
+    """SGLang preshuffling its indexer payload (its ROCm default with aiter, stood in for by
+    `_indexer_preshuffled`): the view serves key tile 16, and the model over it gives the logits
+    it gives over our row-major pool, its indexer keys the same once un-tiled (and not where a
+    row-major reader would look: the tiles are really there)."""
+    from dsv4.plugins import sglang_mono_pool
+
+    monkeypatch.setattr(sglang_mono_pool, "_indexer_preshuffled", lambda: True)
+    ours, theirs = our_side(model, 1), sglang_side(model, 1)
+    assert (ours.pool.indexer_key_tile, theirs.pool.indexer_key_tile) == (0, 16)
+    want = run(model, ours, [125], 6, TORCH)
+    got = run(model, theirs, [125], 6, TORCH)
+    for w, g in zip(want, got):
+        assert torch.equal(g.view(torch.int32), w.view(torch.int32))
+    assert_same_kv(model, ours, theirs)
+    layer = model.config.compress_ratios.index(4)
+    row_major = rows_by_position(theirs, layer, 4, key_tile=0)
+    untiled = rows_by_position(theirs, layer, 4)
+    keys = [k for k in untiled if k[1] == "indexer"]
+    assert keys and any(not torch.equal(untiled[k][0], row_major[k][0]) for k in keys)
 
 
 def test_a_decode_planned_by_the_triton_kernel_addresses_sglangs_rings(model, monkeypatch):
@@ -152,8 +176,9 @@ def test_other_refusals_are_named(model, monkeypatch):
     with pytest.raises(ValueError, match="compression_ratios"):
         SGLangMonoPool(pool, (0, 4, 4, 4))
     monkeypatch.setattr(sglang_mono_pool, "_indexer_preshuffled", lambda: True)
-    with pytest.raises(ValueError, match="preshuffled"):
-        SGLangMonoPool(pool, ratios)
+    small = make_pool(swa_pages=2, page_size=32, layers=(0, 4))   # indexer pages of 8 rows
+    with pytest.raises(ValueError, match="16 x 16 tiles but its page holds 8 rows"):
+        SGLangMonoPool(small, (0, 4))
     monkeypatch.undo()
     pool.swa_page_size = pool.swa_kv_pool.page_size = PAGE // 2
     with pytest.raises(ValueError, match=f"SWA page size {PAGE // 2} differs from its page size"):

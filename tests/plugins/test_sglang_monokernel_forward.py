@@ -95,7 +95,6 @@ def sglang_runtime(monkeypatch, flag_env):
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda device=None: types.SimpleNamespace(multi_processor_count=304))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setenv("SGLANG_DSA_HIP_DISABLE_PRESHUFFLE", "1")
     flag_env(DSV4_KERNEL_BACKEND="torch")
     with get_parallel().override(tp_group=types.SimpleNamespace(
             world_size=1, rank_in_group=0, device_group=None, cpu_group=None)):
