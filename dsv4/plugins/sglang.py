@@ -32,6 +32,7 @@ from hip_kernels.platform import Fp8Dialect, default_device
 
 from .. import envs
 from .host_signatures import class_methods, installed_version
+from .sglang_pool_kind import not_plain_v4_pool
 from .swa_loc_adapter import cached_swa_loc_hook
 
 logger = logging.getLogger(__name__)
@@ -57,27 +58,6 @@ def sglang_numerics(op: str, dialect: Fp8Dialect) -> N.StoreNumerics:
     """The StoreNumerics that reproduce what SGLang 0.5.23's own ROCm kernel writes for `op` in
     the FP8 `dialect`."""
     return _numerics(op, dialect.name)
-
-
-def not_plain_v4_pool(pool) -> str | None:
-    """Why `pool` is not a plain paged V4 pool, whose SWA rows our kernels write as SGLang
-    lays them out (else SGLang's own setters stay, and the monokernel refuses it), or None."""
-    if getattr(pool, "request_window", None) is not None:
-        return "its SWA KV lives in a request window"
-    if getattr(pool, "uniform_fp8", False):
-        return "it keeps uniform FP8 pages (--dsv4-attn-backend trtllm)"
-    if getattr(pool, "_unified_kv", False) or getattr(pool, "unified_kv_pool", None) is not None:
-        return "it uses the unified KV layout"
-    layout = getattr(getattr(pool, "kv_layout", None), "value", None)
-    if layout != "v4":
-        return f"its KV layout is {layout!r}, not 'v4'"
-    swa = getattr(pool, "swa_kv_pool", None)
-    if swa is None:
-        return "it has no paged SWA pool"
-    if swa.page_size != pool.swa_page_size:
-        return (f"its physical SWA page size {swa.page_size} differs from the logical "
-                f"{pool.swa_page_size}")
-    return None
 
 
 def _ours(pool) -> bool:

@@ -38,7 +38,7 @@ import torch
 
 from mem_pool.kv_cache_spec import ATTN_STATE_WIDTH, INDEXER_STATE_WIDTH, STATE_RING
 
-from .sglang import not_plain_v4_pool
+from .sglang_pool_kind import not_plain_v4_pool
 
 INDEXER_BYTES_PER_TOKEN = 128 + 4       # FP8 payload, fp32 scale
 
