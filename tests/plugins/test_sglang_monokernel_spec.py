@@ -234,7 +234,7 @@ def test_before_load_a_model_that_cannot_be_held_twice_is_named(checkpoint, monk
 
     monkeypatch.setattr(checks, "device_total_bytes", lambda: 2**20)  # stand-in: a 1 MiB GPU
     why = checks.config_disable_reasons(Cfg, hf)
-    assert len(why) == 1 and why[0].startswith("this project's model takes ")
+    assert len(why) == 1 and why[0].startswith("this project's model holds ")
     assert why[0].endswith("is more than the device's 0.0 GiB (use a larger --tp)")
     monkeypatch.setattr(checks, "device_total_bytes", lambda: 2**40)
     assert checks.config_disable_reasons(Cfg, hf) == []
