@@ -150,13 +150,12 @@ def sglang_decode_batch(ids, locs, side, pad_to=None):
     n = len(ids)
     pad = (pad_to or n) - n
     seq = torch.tensor(side.lens + [1] * pad)
-    batch = ForwardBatch(
-        forward_mode=ForwardMode.DECODE, batch_size=n + pad,
-        input_ids=torch.tensor(ids + [0] * pad), req_pool_indices=torch.tensor(side.slots + [0] * pad),
-        seq_lens=seq, out_cache_loc=torch.cat([locs.long(), torch.zeros(pad, dtype=torch.long)]),
+    return ForwardBatch(
+        forward_mode=ForwardMode.DECODE, batch_size=n + pad, input_ids=torch.tensor(ids + [0] * pad),
+        req_pool_indices=torch.tensor(side.slots + [0] * pad), seq_lens=seq,
+        out_cache_loc=torch.cat([locs.long(), torch.zeros(pad, dtype=torch.long)]),
         seq_lens_sum=int(seq.sum()), seq_lens_cpu=seq.clone(), positions=seq - 1,
         orig_seq_lens=seq.clone())
-    return batch
 
 
 def padded_batch(width):
