@@ -3,18 +3,14 @@ implementation, what graph capture and torch.compile see, gives the shapes and d
 op's outputs for every call a generate makes (extend, eager decode, captured decode); a decode
 planned by its Triton kernel computes the same bits as one planned by its torch body."""
 
-import importlib
-
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dsv4.engine import Engine
 from hip_kernels.library import ops
+from plan_backend import plans_on_triton
 from tiny_model import tiny_model
-
-# the module (hip_kernels' attribute of that name is the op's wrapper function)
-plan_module = importlib.import_module("hip_kernels.attention_plan")
 
 
 def on_meta(value):
@@ -65,16 +61,7 @@ def test_a_decode_planned_by_the_triton_kernel_gives_the_same_bits(flag_env, mon
     model, prompts = tiny_model(64, seed=0), [list(range(1, 11)), list(range(3, 8))]
     want = Engine(model, max_batch=2, max_context_len=64, graph=False).generate(
         prompts, 4, return_logits=True)
-    ran, real_op = set(), plan_module.op
-
-    def recorded_op(name, backend):
-        ran.add(backend)
-        return real_op(name, backend)
-
-    monkeypatch.setattr(plan_module, "resolve",
-                        lambda op, device, backend, triton_ok=True: "triton" if triton_ok
-                        else "torch")
-    monkeypatch.setattr(plan_module, "op", recorded_op)
+    ran = plans_on_triton(monkeypatch)
     got = Engine(model, max_batch=2, max_context_len=64, graph=False).generate(
         prompts, 4, return_logits=True)
     assert ran == {"triton", "torch"}       # the decodes' plans, the extends'

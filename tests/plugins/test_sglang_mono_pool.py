@@ -15,7 +15,6 @@ that order), the decode plans on attention_plan's Triton kernel (interpreted), t
 translating through SGLang's mapping themselves, and each pool the view refuses, by name."""
 
 import dataclasses
-import importlib
 
 import pytest
 import torch
@@ -29,6 +28,7 @@ pytest.importorskip("sglang.srt.mem_cache.deepseek_v4_memory_pool",
 from dsv4.plugins.sglang_mono_pool import SGLangMonoPool, mono_pool_problem  # noqa: E402
 from sglang_mono_sides import (MAX_CTX, PAGE, TORCH, assert_same_kv, our_side,  # noqa: E402
                                rows_by_position, run, sglang_side)
+from plan_backend import plans_on_triton  # noqa: E402
 from tiny_model import tiny_model  # noqa: E402
 
 
@@ -81,19 +81,9 @@ def test_a_decode_planned_by_the_triton_kernel_addresses_sglangs_rings(model, mo
     """The decode steps' plans on attention_plan's Triton kernel (interpreted on a CPU; every
     other op and the extend's plan on torch): the same logits and bytes as over our pool."""
     pytest.importorskip("triton")
-    plan_module = importlib.import_module("hip_kernels.attention_plan")
     ours, theirs = our_side(model, 1), sglang_side(model, 1)
     want = run(model, ours, [125], 4, TORCH)
-    ran, real_op = set(), plan_module.op
-
-    def recorded_op(name, backend):
-        ran.add(backend)
-        return real_op(name, backend)
-
-    monkeypatch.setattr(plan_module, "resolve",
-                        lambda op, device, backend, triton_ok=True: "triton" if triton_ok
-                        else "torch")
-    monkeypatch.setattr(plan_module, "op", recorded_op)
+    ran = plans_on_triton(monkeypatch)
     got = run(model, theirs, [125], 4, TORCH)
     assert ran == {"triton", "torch"}
     for w, g in zip(want, got):
