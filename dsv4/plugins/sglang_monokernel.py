@@ -30,7 +30,7 @@ import logging
 
 from sglang.kernels.plugin_kernels.amd.spec import (
     BACKEND, MONOKERNEL_API_VERSION, DeviceLimits, MonoSpec, Numerics, NumericsKind,
-    Requirements, register)
+    Requirements, StepMetadata, register)
 
 from .sglang_mono_checks import config_disable_reasons, model_disable_reasons
 from .sglang_mono_forward import build
@@ -82,6 +82,9 @@ SPEC = MonoSpec(
     api_version=API_VERSION,
     config_disable_reasons=config_disable_reasons,
     load_tensor=load_tensor,
+    # The forward plans its own step (this project's attention plan), so SGLang's backend can
+    # skip the aiter decode schedule of the ratio-4 indexers on the steps it routes here.
+    unread_metadata=frozenset({StepMetadata.LOW_RATIO_DECODE_SCHEDULE}),
 )
 
 

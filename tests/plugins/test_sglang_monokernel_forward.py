@@ -122,13 +122,13 @@ def install(binding, checkpoint, hf_config):
 
 
 def test_install_builds_the_spec_and_wraps_the_forward(sglang_runtime, checkpoint, hf_config):
-    from sglang.kernels.plugin_kernels.amd.spec import ShapeKey
+    from sglang.kernels.plugin_kernels.amd.spec import ShapeKey, StepMetadata
 
     model = install(sglang_runtime, checkpoint, hf_config)
     served, unread = model._monokernel_unread_metadata
     assert served == {ShapeKey(forward_mode="decode", batch_size=b, tokens_per_request=1)
                       for b in range(1, 65)}
-    assert unread == frozenset()
+    assert unread == {StepMetadata.LOW_RATIO_DECODE_SCHEDULE}
     assert "_mono_copies" not in model.__dict__
 
 
