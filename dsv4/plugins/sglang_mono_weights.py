@@ -17,7 +17,6 @@ state the bytes held beside SGLang's weights.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch
 
@@ -25,8 +24,8 @@ from ..config import ModelConfig
 from ..memory_estimate import weight_bytes
 from ..model import DeepseekV4Model
 from ..options import Options
-from ..parallel import SINGLE, TensorSplit
 from ..layers.quant_linear import fp8_weight_dtype
+from ..parallel import SINGLE, TensorSplit
 from ..parallel.shards import expert_of
 from ..weights import loader
 from ..weights.held import HeldTensors
@@ -55,7 +54,7 @@ def weight_format(hf: dict) -> str | None:
     return None
 
 
-def rank_split(hf_config: Any = None) -> TensorSplit:
+def rank_split() -> TensorSplit:
     """This process's TP rank in SGLang's tensor-parallel group, as this project's split."""
     from sglang.srt.runtime_context import get_parallel
 

@@ -238,3 +238,33 @@ def test_before_load_a_model_that_cannot_be_held_twice_is_named(checkpoint, monk
     assert why[0].endswith("is more than the device's 0.0 GiB (use a larger --tp)")
     monkeypatch.setattr(checks, "device_total_bytes", lambda: 2**40)
     assert checks.config_disable_reasons(Cfg, hf) == []
+
+
+def test_a_tp_rank_keeps_its_own_experts_and_splits_as_this_project_does(monkeypatch):
+    """SGLang's TP group (a stand-in of two ranks) as this project's split; the load hook keeps
+    a routed expert's tensors only on the rank that owns it, every other tensor on both."""
+    import types
+
+    import torch
+
+    from dsv4.plugins import sglang_mono_weights as weights
+    from sglang.srt.runtime_context import get_parallel
+
+    model = types.SimpleNamespace(config=types.SimpleNamespace(
+        num_hidden_layers=4, n_routed_experts=8, architectures=ARCH))
+    monkeypatch.setattr(weights, "in_place", lambda model: {})
+    kept = {}
+    for rank in (0, 1):
+        group = types.SimpleNamespace(world_size=2, rank_in_group=rank, device_group="group",
+                                      cpu_group=None)
+        with get_parallel().override(tp_group=group):
+            split = weights.rank_split()
+            assert (split.rank, split.size, split.group) == (rank, 2, "group")
+            copies = {}
+            for name in ("layers.1.ffn.experts.3.w1.weight", "layers.1.ffn.experts.4.w1.weight",
+                         "layers.1.attn.wq_b.weight", "mtp.0.attn.wq_b.weight",
+                         "layers.4.attn.wq_b.weight"):
+                weights.load_tensor(copies, model, name, torch.zeros(2))
+            kept[rank] = sorted(name for _, name in copies)
+    assert kept == {0: ["layers.1.attn.wq_b.weight", "layers.1.ffn.experts.3.w1.weight"],
+                    1: ["layers.1.attn.wq_b.weight", "layers.1.ffn.experts.4.w1.weight"]}
