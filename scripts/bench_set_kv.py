@@ -140,7 +140,7 @@ def call(backend: str, op: str, a: dict, dialect) -> None:
     if op == "store_kv_pack":
         fn(**a)
     elif op == "indexer_store":
-        fn(**a, dialect=dialect.name, pow2_scale=False)
+        fn(**a, dialect=dialect.name, pow2_scale=False, key_tile=0)   # row-major keys
     else:
         fn(**a, dialect=dialect.name, **NUMERICS)
 
