@@ -3,7 +3,9 @@
 `config_disable_reasons(cfg, hf_config)` runs while SGLang resolves its server arguments (before
 any weight is read): the model config this project's layers cannot run, and the server settings
 `Requirements` cannot state. `model_disable_reasons(model, hf_config, copies)` runs after the
-weights loaded, on every TP rank: the weight formats, and whether the copies kept at load fit.
+weights loaded, on every TP rank (SGLang gathers every rank's reasons before anything is built):
+the weight format, the parameters to be read in place as SGLang converted them, and whether the
+model this project holds fits beside SGLang's weights.
 """
 
 from __future__ import annotations
@@ -12,13 +14,13 @@ from typing import Any
 
 import torch
 
+from ..layers.quant_linear import fp8_weight_dtype
 from ..parallel.split import split_problem
 from ..weights.formats import native_problem
-from ..layers.quant_linear import fp8_weight_dtype
 from .sglang_mono_config import hf_dict, model_config
 from .sglang_mono_inplace import FNUZ
-from .sglang_mono_weights import (copied_bytes, copy_bytes, max_seq_len, model_bytes,
-                                  weight_format)
+from .sglang_mono_weights import (copy_bytes, in_place_problems, max_seq_len, model_bytes,
+                                  rank_split, weight_format)
 
 # DeepSeek-V4.1 / vision fields of SGLang's DeepSeekV4Config this model does not have, with the
 # value that means "not used".
@@ -32,8 +34,6 @@ UNUSED_FIELDS = {
 }
 # SGLang's page sizes the pool's compressed caches divide into whole rows (page_size / 128 >= 1).
 PAGE_SIZE_MULTIPLE = 128
-# The share of free device memory the load hook's copies may take.
-COPY_MEMORY_SHARE = 0.5
 
 
 def config_disable_reasons(cfg: Any, hf_config: Any) -> list[str]:
@@ -67,6 +67,34 @@ def config_disable_reasons(cfg: Any, hf_config: Any) -> list[str]:
     if page is not None and page % PAGE_SIZE_MULTIPLE:
         reasons.append(f"--page-size {page} is not a multiple of {PAGE_SIZE_MULTIPLE} (a page "
                        "must hold whole C128 rows)")
+    return reasons + server_reasons(cfg)
+
+
+# Server settings whose pool or outputs the forward does not serve: (argument, its value that
+# is refused or None for any truthy value, why).
+REFUSED_SERVER_ARGS = (
+    ("dsv4_attn_backend", "trtllm", "its uniform FP8 pages are not the V4 layout"),
+    ("enable_encoder_swa_bounded_replay", None, "its SWA KV lives in a request window"),
+    ("enable_return_hidden_states", None, "the forward returns logits only"),
+    ("enable_return_aux_hidden_states", None, "the forward returns logits only"),
+)
+
+
+def server_reasons(cfg: Any) -> list[str]:
+    """The server arguments and SGLang environment variables this forward cannot serve."""
+    reasons = []
+    for arg, refused, why in REFUSED_SERVER_ARGS:
+        value = getattr(cfg, arg, None)
+        if (value == refused) if refused is not None else bool(value):
+            flag = "--" + arg.replace("_", "-")
+            reasons.append(f"{flag}" + (f" {value}" if refused is not None else "")
+                           + f" is not supported: {why}")
+    from sglang.srt.environ import envs
+
+    backend = envs.SGLANG_HACK_FLASHMLA_BACKEND.get()
+    if "unified" in str(backend).lower():
+        reasons.append(f"SGLANG_HACK_FLASHMLA_BACKEND={backend} is not supported: the unified "
+                       "KV layout is not the V4 layout")
     return reasons
 
 
@@ -83,12 +111,16 @@ def model_disable_reasons(model: torch.nn.Module, hf_config: Any, copies: dict) 
         problem = native_problem(model_config(hf_config))
         if problem:
             reasons.append(problem)
-    need = copied_bytes(copies)
+    reasons += in_place_problems(model)
     free = free_device_bytes()
-    if free is not None and need > COPY_MEMORY_SHARE * free:
-        reasons.append(f"the weight copies kept at load take {need / 2**30:.2f} GiB, more than "
-                       f"{COPY_MEMORY_SHARE:.0%} of this device's free {free / 2**30:.2f} GiB "
-                       "(the rest is the KV cache's)")
+    if free is not None and fmt is not None:
+        config = model_config(hf_config)
+        ours = copy_bytes(config, fmt, rank_split().size, max_seq_len(d, config),
+                          fnuz=fp8_weight_dtype() == FNUZ)
+        if ours > free:
+            reasons.append(f"this project's model holds {ours / 2**30:.2f} GiB a rank, more "
+                           f"than the {free / 2**30:.2f} GiB this device has free after "
+                           "SGLang's weights loaded (use a larger --tp)")
     return reasons
 
 

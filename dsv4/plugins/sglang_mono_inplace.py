@@ -124,6 +124,8 @@ def mismatch(entry: Entry, theirs: torch.Tensor | None, ours: torch.Tensor,
     post-load one; before loading, SGLang's FP8 weights are still e4m3fn)."""
     if theirs is None:
         return f"SGLang's model has no parameter {entry.theirs}"
+    if getattr(theirs, "is_shuffled", False):
+        return f"{entry.theirs} was shuffled into aiter's tiles after loading"
     want = entry.dtype if their_dtype is None else their_dtype
     if theirs.dtype != want:
         return f"{entry.theirs} is {theirs.dtype}, expected {want}"

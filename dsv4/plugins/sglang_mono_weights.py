@@ -4,9 +4,9 @@ SGLang's loader passes each checkpoint tensor through the spec's `load_tensor(co
 name, tensor)` before converting it (`monokernel_weights_iterator`). Some of this project's
 parameters are SGLang's own loaded parameters, read in place (`sglang_mono_inplace`: which, and
 the check that SGLang's tensor is what they need; a tensor that fails it is copied, the reason
-logged once per kind). For the others `load_tensor` keeps, in host memory, the tensors this TP
-rank's part of the model reads: every non-MTP tensor but other ranks' routed experts and those
-read in place. `build_model` then builds this project's `DeepseekV4Model` on the device, makes
+logged once per kind). For the others `load_tensor` keeps, in host memory, what this TP rank's
+part of the model reads: of every non-MTP tensor but other ranks' routed experts and those read
+in place, the rank's slice (the whole tensor where the split does not cut it). `build_model` then builds this project's `DeepseekV4Model` on the device, makes
 the in-place parameters views of SGLang's tensors, fills the rest from the host copies with the
 checkpoint loader (`dsv4.weights.loader.fill_from`: every name and shape checked first, FP8 made
 fnuz exactly on gfx942, the rank's slices), and drops the copies. What stays is what the model
@@ -26,6 +26,7 @@ from ..model import DeepseekV4Model
 from ..options import Options
 from ..layers.quant_linear import fp8_weight_dtype
 from ..parallel import SINGLE, TensorSplit
+from ..parallel import shards
 from ..parallel.shards import expert_of
 from ..weights import loader
 from ..weights.held import HeldTensors
@@ -115,14 +116,26 @@ def load_tensor(copies: dict, model: torch.nn.Module, name: str, tensor: torch.T
         return
     if not _owns(rank_split(), ref, config.n_routed_experts):
         return
-    if _ours(ref, is_scale) in in_place(model):
+    target = _ours(ref, is_scale)
+    if target in in_place(model):
         return
-    copies[(CHECKPOINT, name)] = tensor.detach().to("cpu", copy=True)
+    part = shards.part_range(rank_split(), target, tuple(tensor.shape))
+    kept = tensor if part is None else tensor.narrow(*part)
+    copies[(CHECKPOINT, name, tuple(tensor.shape), part)] = kept.detach().to("cpu", copy=True)
+
+
+# SGLang's request table is a few columns wider than its context length (4 in 0.5.23); the
+# RoPE tables cover that much more, so a table of that width is served.
+REQUEST_TABLE_HEADROOM = 64
 
 
 def max_seq_len(hf: dict, config: ModelConfig) -> int:
-    """The positions the model's RoPE tables hold: the config's max_position_embeddings."""
-    return int(hf.get("max_position_embeddings") or config.original_seq_len)
+    """The positions the model's RoPE tables hold: the longer of the config's
+    max_position_embeddings and the context length SGLang serves, plus the request table's
+    headroom."""
+    context = max(int(hf.get("max_position_embeddings") or config.original_seq_len),
+                  int(hf.get("context_len") or 0))
+    return context + REQUEST_TABLE_HEADROOM
 
 
 def model_bytes(config: ModelConfig, fmt: str, tp: int, seq_len: int) -> int:
@@ -148,6 +161,28 @@ def copied_bytes(copies: dict) -> int:
     return sum(t.numel() * t.element_size() for t in copies.values())
 
 
+def in_place_problems(sglang_model: torch.nn.Module) -> list[str]:
+    """Why a parameter chosen at load to be read in place cannot be, now that SGLang converted
+    its tensors (no copy of it was kept): one reason each; none when all can."""
+    theirs = dict(sglang_model.named_parameters())
+    ours = None
+    reasons = []
+    for name, entry in in_place(sglang_model).items():
+        if ours is None:
+            ours = _meta_model(sglang_model).state_dict()
+        why = inplace.mismatch(entry, theirs.get(entry.theirs), ours[name])
+        if why is not None:
+            reasons.append(f"{entry.theirs}: SGLang's loaded tensor cannot be read as {name}, "
+                           f"and no copy was kept at load: {why}")
+    return reasons
+
+
+def _meta_model(sglang_model: torch.nn.Module) -> DeepseekV4Model:
+    config, hf = model_config(sglang_model.config), hf_dict(sglang_model.config)
+    return DeepseekV4Model(config, device="meta", max_seq_len=1, weights=weight_format(hf),
+                           split=rank_split())
+
+
 def build_model(config: ModelConfig, fmt: str, copies: dict, device: torch.device,
                 max_seq_len: int, options: Options, split: TensorSplit,
                 sglang_model: torch.nn.Module) -> DeepseekV4Model:
@@ -156,8 +191,9 @@ def build_model(config: ModelConfig, fmt: str, copies: dict, device: torch.devic
     which are then dropped; what the model holds itself takes their place in ``copies`` (kind
     MODEL)."""
     served = in_place(sglang_model)
-    held = HeldTensors({name: t for (kind, name), t in copies.items() if kind == CHECKPOINT},
-                       WHERE)
+    kept = {key: t for key, t in copies.items() if key[0] == CHECKPOINT}
+    held = HeldTensors({name: t for (_, name, _, _), t in kept.items()}, WHERE,
+                       {name: (shape, part) for (_, name, shape, part) in kept if part})
     if not held.tensors:
         raise ValueError("copies: no checkpoint tensor was kept at load (the load path did not "
                          "pass them through SGLang's monokernel_weights_iterator)")
@@ -174,7 +210,10 @@ def build_model(config: ModelConfig, fmt: str, copies: dict, device: torch.devic
         for name, entry in served.items():
             inplace.bind(targets[name], entry, theirs[entry.theirs])
     block = loader.fp8_block_size({"quantization_config": None})
-    whole = {k: v for k, v in model.whole_model_tensors().items() if k not in served}
+    # The whole model's shapes, of the tensors this rank holds: other ranks' experts were not kept.
+    held_here = model.state_dict().keys()
+    whole = {k: v for k, v in model.whole_model_tensors().items()
+             if k in held_here and k not in served}
     loader.fill_from(model, whole, WHERE, held.handles(), held.stored(), block, options)
     for key in [k for k in copies if k[0] == CHECKPOINT]:
         del copies[key]

@@ -343,3 +343,36 @@ def test_published_formats_through_sglangs_dispatch(sglang_runtime, native_check
             got = model.forward(batch.input_ids, batch.positions, batch).next_token_logits
         assert torch.equal(got.view(torch.int32), want.view(torch.int32))
     assert_same_kv(reference, ours, theirs)
+
+
+def test_a_tp_rank_builds_its_part_from_the_slices_it_kept(sglang_runtime, checkpoint,
+                                                           hf_config):
+    """Rank 1 of 2 (a stand-in TP group): the load hook keeps only the rank's slices and
+    experts, and the model built from them equals the checkpoint loader's rank-1 model."""
+    from sglang.srt.runtime_context import get_parallel
+
+    from dsv4.options import Options
+    from dsv4.parallel import TensorSplit
+    from dsv4.plugins import sglang_mono_weights as weights
+
+    group = types.SimpleNamespace(world_size=2, rank_in_group=1, device_group=None,
+                                  cpu_group=None)
+    standard = StandardPath(hf_config)
+    copies = {}
+    with get_parallel().override(tp_group=group, tp_size=2, tp_rank=1, attn_tp_size=2,
+                                 attn_tp_rank=1, moe_tp_size=2, moe_tp_rank=1):
+        for name, t in checkpoint_tensors(checkpoint):
+            weights.load_tensor(copies, standard, name, t)
+        kept = sum(t.numel() for t in copies.values())
+        split = weights.rank_split()
+        built = weights.build_model(ModelConfig.from_json(checkpoint), "bf16", copies,
+                                    torch.device("cpu"), 4096, Options.from_env(), split,
+                                    standard)
+    whole = sum(t.numel() for _, t in checkpoint_tensors(checkpoint))
+    assert kept < whole
+    want = load_model(checkpoint, options=Options.from_env(), weights="bf16",
+                      split=TensorSplit(1, 2))
+    got = built.state_dict()
+    assert got.keys() == want.state_dict().keys()
+    for name, t in want.state_dict().items():
+        assert torch.equal(got[name].view(torch.uint8), t.view(torch.uint8)), name

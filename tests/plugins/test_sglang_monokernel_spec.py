@@ -203,24 +203,62 @@ def test_config_checks_name_the_v41_fields_and_a_bad_geometry(checkpoint):
                    "rope_head_dim=64), got 128"]
 
 
-def test_after_load_a_weight_format_or_copies_that_do_not_fit_are_named(checkpoint,
-                                                                        monkeypatch):
+def one_rank():
+    """Stand-in for SGLang's TP group: one rank."""
+    import types
+
+    from sglang.srt.runtime_context import get_parallel
+
+    return get_parallel().override(tp_group=types.SimpleNamespace(
+        world_size=1, rank_in_group=0, device_group=None, cpu_group=None))
+
+
+def test_after_load_a_weight_format_or_a_model_that_does_not_fit_are_named(checkpoint,
+                                                                           monkeypatch):
     import torch
 
     from dsv4.plugins import sglang_mono_checks as checks
     from sglang.srt.arg_groups.overrides import model_config_of
 
-    hf = model_config_of(server_args(checkpoint)).hf_config.to_dict()
-    copies = {("checkpoint", "w"): torch.zeros(1024, dtype=torch.uint8)}
-    assert checks.model_disable_reasons(None, hf, copies) == []
-    awq = dict(hf, quantization_config={"quant_method": "awq"})
-    assert checks.model_disable_reasons(None, awq, copies) == [
-        "quantization_config {'quant_method': 'awq'} is neither the published DeepSeek-V4 format "
-        "(FP8 e4m3 in 128x128 blocks with ue8m0 scales, FP4 experts) nor none (bf16 weights)"]
-    monkeypatch.setattr(checks, "free_device_bytes", lambda: 1024)   # stand-in: a GPU's memory
-    assert checks.model_disable_reasons(None, hf, copies) == [
-        "the weight copies kept at load take 0.00 GiB, more than 50% of this device's free "
-        "0.00 GiB (the rest is the KV cache's)"]
+    hf = model_config_of(server_args(checkpoint)).hf_config
+    sglang_model = torch.nn.Module()      # stand-in: SGLang's model, no parameter to read
+    sglang_model.config = hf
+    with one_rank():
+        assert checks.model_disable_reasons(sglang_model, hf, {}) == []
+        awq = dict(hf.to_dict(), quantization_config={"quant_method": "awq"})
+        assert checks.model_disable_reasons(sglang_model, awq, {}) == [
+            "quantization_config {'quant_method': 'awq'} is neither the published DeepSeek-V4 "
+            "format (FP8 e4m3 in 128x128 blocks with ue8m0 scales, FP4 experts) nor none (bf16 "
+            "weights)"]
+        monkeypatch.setattr(checks, "free_device_bytes", lambda: 1024)   # stand-in: free memory
+        why = checks.model_disable_reasons(sglang_model, hf, {})
+    assert len(why) == 1 and why[0].startswith("this project's model holds ")
+    assert why[0].endswith("GiB a rank, more than the 0.00 GiB this device has free after "
+                           "SGLang's weights loaded (use a larger --tp)")
+
+
+def test_server_settings_whose_pool_or_outputs_are_not_served_are_named(monkeypatch):
+    from dsv4.plugins.sglang_mono_checks import server_reasons
+
+    class Cfg:
+        dsv4_attn_backend, enable_encoder_swa_bounded_replay = "trtllm", True
+        enable_return_hidden_states, enable_return_aux_hidden_states = True, False
+
+    monkeypatch.setenv("SGLANG_HACK_FLASHMLA_BACKEND", "unified_kv_triton")
+    assert server_reasons(Cfg) == [
+        "--dsv4-attn-backend trtllm is not supported: its uniform FP8 pages are not the V4 "
+        "layout",
+        "--enable-encoder-swa-bounded-replay is not supported: its SWA KV lives in a request "
+        "window",
+        "--enable-return-hidden-states is not supported: the forward returns logits only",
+        "SGLANG_HACK_FLASHMLA_BACKEND=unified_kv_triton is not supported: the unified KV layout "
+        "is not the V4 layout"]
+    monkeypatch.delenv("SGLANG_HACK_FLASHMLA_BACKEND")
+
+    class Default:
+        dsv4_attn_backend = "auto"
+
+    assert server_reasons(Default) == []
 
 
 def test_before_load_a_model_that_cannot_be_held_twice_is_named(checkpoint, monkeypatch):
@@ -242,7 +280,8 @@ def test_before_load_a_model_that_cannot_be_held_twice_is_named(checkpoint, monk
 
 def test_a_tp_rank_keeps_its_own_experts_and_splits_as_this_project_does(monkeypatch):
     """SGLang's TP group (a stand-in of two ranks) as this project's split; the load hook keeps
-    a routed expert's tensors only on the rank that owns it, every other tensor on both."""
+    a routed expert's tensors only on the rank that owns it, and of a split tensor only the
+    rank's slice."""
     import types
 
     import torch
@@ -264,7 +303,10 @@ def test_a_tp_rank_keeps_its_own_experts_and_splits_as_this_project_does(monkeyp
             for name in ("layers.1.ffn.experts.3.w1.weight", "layers.1.ffn.experts.4.w1.weight",
                          "layers.1.attn.wq_b.weight", "mtp.0.attn.wq_b.weight",
                          "layers.4.attn.wq_b.weight"):
-                weights.load_tensor(copies, model, name, torch.zeros(2))
-            kept[rank] = sorted(name for _, name in copies)
-    assert kept == {0: ["layers.1.attn.wq_b.weight", "layers.1.ffn.experts.3.w1.weight"],
-                    1: ["layers.1.attn.wq_b.weight", "layers.1.ffn.experts.4.w1.weight"]}
+                weights.load_tensor(copies, model, name, torch.arange(4.0))
+            kept[rank] = {name: (part, t.tolist()) for (_, name, _, part), t in copies.items()}
+    assert kept == {  # wq_b's rows are split, as this project's split cuts them
+        0: {"layers.1.attn.wq_b.weight": ((0, 0, 2), [0.0, 1.0]),
+            "layers.1.ffn.experts.3.w1.weight": (None, [0.0, 1.0, 2.0, 3.0])},
+        1: {"layers.1.attn.wq_b.weight": ((0, 2, 2), [2.0, 3.0]),
+            "layers.1.ffn.experts.4.w1.weight": (None, [0.0, 1.0, 2.0, 3.0])}}
