@@ -159,8 +159,9 @@ def monokernel_status() -> list[str]:
         return [f"sglang {version} monokernel: off (DSV4_SGLANG_MONOKERNEL=0)"]
     try:
         from . import sglang_monokernel
-    except ImportError as e:
-        return [f"sglang {version} monokernel: no usable AMD monokernel contract ({e})"]
+    except Exception as e:
+        return [f"sglang {version} monokernel: no usable AMD monokernel contract "
+                f"({type(e).__name__}: {e})"]
     return sglang_monokernel.coverage()
 
 
@@ -190,9 +191,10 @@ def _register_monokernel() -> None:
         return
     try:
         from . import sglang_monokernel
-    except ImportError as e:
+    except Exception as e:    # a missing or changed contract: SGLang keeps its standard path
         logger.warning("dsv4-rocm: monokernel spec not registered: SGLang %s has no usable AMD "
-                       "monokernel contract (%s)", installed_version("sglang"), e)
+                       "monokernel contract (%s: %s)", installed_version("sglang"),
+                       type(e).__name__, e)
         return
     logger.warning("dsv4-rocm: %s", sglang_monokernel.register_spec())
 

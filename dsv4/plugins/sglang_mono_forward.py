@@ -52,7 +52,7 @@ class DecodeMonokernel:
 
     @torch.no_grad()
     def forward(self, plan, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch,
-                input_embeds: Any = None, pp_proxy_tensors: Any = None, **kwargs: Any):
+                input_embeds: Any = None, pp_proxy_tensors: Any = None):
         from sglang.srt.layers.logits_processor import LogitsProcessorOutput
         from sglang.srt.model_executor.forward_context import (get_req_to_token_pool,
                                                                get_token_to_kv_pool)
@@ -67,6 +67,10 @@ class DecodeMonokernel:
         if input_embeds is not None or pp_proxy_tensors is not None:
             raise ValueError("input_embeds / pp_proxy_tensors: not supported by this monokernel "
                              "(token ids only, one pipeline stage)")
+        capture = getattr(forward_batch, "capture_hidden_mode", None)
+        if capture is not None and capture.need_capture():
+            raise ValueError(f"forward_batch.capture_hidden_mode: {capture.name} asks for hidden "
+                             "states; this monokernel returns logits only")
         req_to_token = get_req_to_token_pool().req_to_token
         context = req_to_token.shape[1]
         if context > self.model.max_seq_len:

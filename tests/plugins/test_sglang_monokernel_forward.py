@@ -288,6 +288,15 @@ def test_bad_steps_are_refused_by_name(sglang_runtime, checkpoint, hf_config):
         with pytest.raises(ValueError, match="input_embeds / pp_proxy_tensors"):
             kernels.forward(Plan(key=key), batch.input_ids, batch.positions, batch,
                             input_embeds=torch.zeros(1, 64))
+        with pytest.raises(TypeError, match="get_embedding"):
+            kernels.forward(Plan(key=key), batch.input_ids, batch.positions, batch,
+                            get_embedding=True)
+        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+
+        batch.capture_hidden_mode = CaptureHiddenMode.LAST
+        with pytest.raises(ValueError, match="forward_batch.capture_hidden_mode: LAST"):
+            kernels.forward(Plan(key=key), batch.input_ids, batch.positions, batch)
+        batch.capture_hidden_mode = CaptureHiddenMode.NULL
         kernels.model.max_seq_len = MAX_CTX - 1
         with pytest.raises(ValueError, match=f"req_to_token: contexts of up to {MAX_CTX} "):
             kernels.forward(Plan(key=key), batch.input_ids, batch.positions, batch)
@@ -376,3 +385,23 @@ def test_a_tp_rank_builds_its_part_from_the_slices_it_kept(sglang_runtime, check
     assert got.keys() == want.state_dict().keys()
     for name, t in want.state_dict().items():
         assert torch.equal(got[name].view(torch.uint8), t.view(torch.uint8)), name
+
+
+def test_a_server_whose_graphs_hold_no_declared_width_is_refused(sglang_runtime, checkpoint,
+                                                                 hf_config, monkeypatch):
+    """SGLang routes only the widths its decode graphs capture; graphs of 128 requests only
+    (stand-in: SGLang's graph configuration) leave the spec no width, and SGLang says so."""
+    from sglang.kernels.plugin_kernels.amd.spec import ShapeKey
+
+    monkeypatch.setattr(sglang_runtime, "_capture_keys", lambda mode, tokens: [
+        ShapeKey(forward_mode="decode", batch_size=128, tokens_per_request=1)])
+    with pytest.raises(ValueError, match="dsv4-rocm has no width for this server's steps"):
+        install(sglang_runtime, checkpoint, hf_config)
+
+
+def test_sglang_aligns_its_decode_graphs_to_the_declared_widths():
+    from sglang.srt.kernel_plugins.amd.binding import covered_capture_sizes
+
+    sizes = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 128, 160]
+    got = covered_capture_sizes(widths=mono.WIDTHS, tokens_per_request=1, sizes=sizes)
+    assert got == list(range(1, 65)) + [80, 96, 128, 160]   # above 64: SGLang's own path
