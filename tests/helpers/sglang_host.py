@@ -62,3 +62,17 @@ def make_pool(swa_pages: int = 2, page_size: int = 256, layers=(0, 4, 128),
         c128_state_dtype=torch.float32, qk_nope_head_dim=448, qk_rope_head_dim=64,
         indexer_head_dim=128, layer_num=len(layers), device="cpu", enable_memory_saver=False,
         compression_ratios=list(layers))
+
+
+def tp_ranks(rank: int = 0, size: int = 1):
+    """Stand-in for SGLang's tensor-parallel group (it needs launched ranks): `size` ranks, this
+    process `rank`, with the sizes SGLang checks it against; a context manager."""
+    import types
+
+    from sglang.srt.runtime_context import get_parallel
+
+    group = types.SimpleNamespace(world_size=size, rank_in_group=rank, device_group=None,
+                                  cpu_group=None)
+    return get_parallel().override(tp_group=group, tp_size=size, tp_rank=rank,
+                                   attn_tp_size=size, attn_tp_rank=rank, moe_tp_size=size,
+                                   moe_tp_rank=rank)

@@ -27,7 +27,7 @@ import types
 import pytest
 import torch
 
-from sglang_host import install_cpu_context, use_stubs
+from sglang_host import install_cpu_context, tp_ranks, use_stubs
 
 use_stubs()
 pytest.importorskip("sglang.kernels.plugin_kernels.amd.spec",
@@ -86,7 +86,7 @@ def sglang_runtime(monkeypatch, flag_env):
     """SGLang's runtime context with --enable-amd-monokernel, and the GPU stand-ins."""
     import sglang.kernels.plugin_kernels.amd.spec as spec_api
     import sglang.srt.kernel_plugins.amd.binding as binding
-    from sglang.srt.runtime_context import get_context, get_parallel
+    from sglang.srt.runtime_context import get_context
 
     get_context().override_server_args(device="cpu", enable_amd_monokernel=True).install()
     monkeypatch.setattr(spec_api, "_REGISTRY", {})
@@ -96,8 +96,7 @@ def sglang_runtime(monkeypatch, flag_env):
                         lambda device=None: types.SimpleNamespace(multi_processor_count=304))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     flag_env(DSV4_KERNEL_BACKEND="torch")
-    with get_parallel().override(tp_group=types.SimpleNamespace(
-            world_size=1, rank_in_group=0, device_group=None, cpu_group=None)):
+    with tp_ranks():
         yield binding
     get_context().override_server_args(device="cpu").install()
 
@@ -358,18 +357,13 @@ def test_a_tp_rank_builds_its_part_from_the_slices_it_kept(sglang_runtime, check
                                                            hf_config):
     """Rank 1 of 2 (a stand-in TP group): the load hook keeps only the rank's slices and
     experts, and the model built from them equals the checkpoint loader's rank-1 model."""
-    from sglang.srt.runtime_context import get_parallel
-
     from dsv4.options import Options
     from dsv4.parallel import TensorSplit
     from dsv4.plugins import sglang_mono_weights as weights
 
-    group = types.SimpleNamespace(world_size=2, rank_in_group=1, device_group=None,
-                                  cpu_group=None)
     standard = StandardPath(hf_config)
     copies = {}
-    with get_parallel().override(tp_group=group, tp_size=2, tp_rank=1, attn_tp_size=2,
-                                 attn_tp_rank=1, moe_tp_size=2, moe_tp_rank=1):
+    with tp_ranks(1, 2):
         for name, t in checkpoint_tensors(checkpoint):
             weights.load_tensor(copies, standard, name, t)
         kept = sum(t.numel() for t in copies.values())

@@ -10,7 +10,7 @@ import logging
 
 import pytest
 
-from sglang_host import use_stubs
+from sglang_host import tp_ranks, use_stubs
 
 use_stubs()
 spec_api = pytest.importorskip("sglang.kernels.plugin_kernels.amd.spec",
@@ -203,16 +203,6 @@ def test_config_checks_name_the_v41_fields_and_a_bad_geometry(checkpoint):
                    "rope_head_dim=64), got 128"]
 
 
-def one_rank():
-    """Stand-in for SGLang's TP group: one rank."""
-    import types
-
-    from sglang.srt.runtime_context import get_parallel
-
-    return get_parallel().override(tp_group=types.SimpleNamespace(
-        world_size=1, rank_in_group=0, device_group=None, cpu_group=None))
-
-
 def test_after_load_a_weight_format_or_a_model_that_does_not_fit_are_named(checkpoint,
                                                                            monkeypatch):
     import torch
@@ -223,7 +213,7 @@ def test_after_load_a_weight_format_or_a_model_that_does_not_fit_are_named(check
     hf = model_config_of(server_args(checkpoint)).hf_config
     sglang_model = torch.nn.Module()      # stand-in: SGLang's model, no parameter to read
     sglang_model.config = hf
-    with one_rank():
+    with tp_ranks():
         assert checks.model_disable_reasons(sglang_model, hf, {}) == []
         awq = dict(hf.to_dict(), quantization_config={"quant_method": "awq"})
         assert checks.model_disable_reasons(sglang_model, awq, {}) == [
@@ -287,18 +277,15 @@ def test_a_tp_rank_keeps_its_own_experts_and_splits_as_this_project_does(monkeyp
     import torch
 
     from dsv4.plugins import sglang_mono_weights as weights
-    from sglang.srt.runtime_context import get_parallel
 
     model = types.SimpleNamespace(config=types.SimpleNamespace(
         num_hidden_layers=4, n_routed_experts=8, architectures=ARCH))
     monkeypatch.setattr(weights, "in_place", lambda model: {})
     kept = {}
     for rank in (0, 1):
-        group = types.SimpleNamespace(world_size=2, rank_in_group=rank, device_group="group",
-                                      cpu_group=None)
-        with get_parallel().override(tp_group=group):
+        with tp_ranks(rank, 2):
             split = weights.rank_split()
-            assert (split.rank, split.size, split.group) == (rank, 2, "group")
+            assert (split.rank, split.size) == (rank, 2)
             copies = {}
             for name in ("layers.1.ffn.experts.3.w1.weight", "layers.1.ffn.experts.4.w1.weight",
                          "layers.1.attn.wq_b.weight", "mtp.0.attn.wq_b.weight",
