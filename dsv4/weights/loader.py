@@ -22,7 +22,6 @@ from safetensors import safe_open
 
 from ..parallel import shards
 from . import native, quant
-from .formats import native_problem
 from .names import is_mtp, to_reference
 
 logger = logging.getLogger(__name__)
