@@ -79,7 +79,7 @@ def hf_config(checkpoint):
     cfg = model_config_of(sa).hf_config
     # SGLang's request table is 4 columns wider than its context length (which is
     # max_position_embeddings by default): the tables here are MAX_CTX wide.
-    cfg.max_position_embeddings = MAX_CTX - 4
+    cfg.max_position_embeddings = cfg.context_len = MAX_CTX - 4
     return cfg
 
 
@@ -332,7 +332,7 @@ def test_published_formats_through_sglangs_dispatch(sglang_runtime, native_check
     sa = ServerArgs(model_path=str(native_checkpoint), device="cpu", dtype="bfloat16",
                     attention_backend="dsv4", kv_cache_dtype="fp8_e4m3")
     hf = model_config_of(sa).hf_config
-    hf.max_position_embeddings = MAX_CTX - 4      # as the hf_config fixture's
+    hf.max_position_embeddings = hf.context_len = MAX_CTX - 4      # as the hf_config fixture's
     model = install(sglang_runtime, native_checkpoint, hf)
     options = Options.from_env()
     reference = load_model(native_checkpoint, options=options)
