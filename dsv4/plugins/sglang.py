@@ -157,12 +157,13 @@ def monokernel_status() -> list[str]:
         return [f"sglang {version} monokernel: off (DSV4_SGLANG_PLUGIN=0)"]
     if not envs.SGLANG_MONOKERNEL.get():
         return [f"sglang {version} monokernel: off (DSV4_SGLANG_MONOKERNEL=0)"]
+    from . import sglang_monokernel
+
     try:
-        from . import sglang_monokernel
-    except Exception as e:
+        return sglang_monokernel.coverage()
+    except Exception as e:    # SGLang lacks the contract, or its types changed
         return [f"sglang {version} monokernel: no usable AMD monokernel contract "
                 f"({type(e).__name__}: {e})"]
-    return sglang_monokernel.coverage()
 
 
 def register() -> None:
@@ -189,13 +190,8 @@ def _register_monokernel() -> None:
     if not envs.SGLANG_MONOKERNEL.get():
         logger.info("dsv4-rocm: monokernel spec not registered (DSV4_SGLANG_MONOKERNEL=0)")
         return
-    try:
-        from . import sglang_monokernel
-    except Exception as e:    # a missing or changed contract: SGLang keeps its standard path
-        logger.warning("dsv4-rocm: monokernel spec not registered: SGLang %s has no usable AMD "
-                       "monokernel contract (%s: %s)", installed_version("sglang"),
-                       type(e).__name__, e)
-        return
+    from . import sglang_monokernel
+
     logger.warning("dsv4-rocm: %s", sglang_monokernel.register_spec())
 
 

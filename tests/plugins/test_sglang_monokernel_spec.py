@@ -85,7 +85,7 @@ def test_the_flags_leave_the_spec_unregistered(registry, flag_env, env, caplog):
 def test_another_monokernel_api_version_is_one_line_and_sglang_keeps_its_path(
         registry, flag_env, monkeypatch, caplog):
     flag_env()
-    monkeypatch.setattr(mono, "MONOKERNEL_API_VERSION", 2)
+    monkeypatch.setattr(spec_api, "MONOKERNEL_API_VERSION", 2)
     with caplog.at_level(logging.WARNING, logger="dsv4"):
         plugin._register_monokernel()
     assert registry == {}
@@ -105,16 +105,47 @@ def test_a_sglang_without_the_contract_is_one_line(registry, flag_env, monkeypat
             raise ImportError(f"No module named {name!r}")
         return real_import(name, *args, **kwargs)
 
-    import dsv4.plugins
-
-    monkeypatch.delitem(__import__("sys").modules, "dsv4.plugins.sglang_monokernel")
-    monkeypatch.delattr(dsv4.plugins, "sglang_monokernel")
     monkeypatch.setattr(builtins, "__import__", no_contract)
     with caplog.at_level(logging.WARNING, logger="dsv4"):
         plugin._register_monokernel()
     lines = [r.getMessage() for r in caplog.records if r.name.startswith("dsv4")]
     assert len(lines) == 1 and "monokernel spec not registered" in lines[0]
     assert "no usable AMD monokernel contract" in lines[0]
+
+
+def test_a_contract_whose_types_changed_is_one_line(registry, flag_env, monkeypatch, caplog):
+    """The same API version, but its MonoSpec no longer takes this spec's fields."""
+    import types
+
+    def changed_spec(**fields):
+        raise TypeError("MonoSpec.__init__() got an unexpected keyword argument 'devices'")
+
+    flag_env()
+    changed = types.SimpleNamespace(**{k: getattr(spec_api, k) for k in dir(spec_api)
+                                       if not k.startswith("_")})
+    changed.MonoSpec = changed_spec
+    monkeypatch.setattr(mono, "contract", lambda: changed)
+    mono.make_spec.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="dsv4"):
+        plugin._register_monokernel()
+    mono.make_spec.cache_clear()
+    assert registry == {}
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("dsv4")]
+    assert len(lines) == 1 and lines[0].startswith("dsv4-rocm: monokernel spec not registered: ")
+    assert lines[0].endswith("monokernel contract does not take this spec (TypeError: "
+                             "MonoSpec.__init__() got an unexpected keyword argument 'devices')")
+
+
+def test_importing_the_spec_module_imports_no_sglang():
+    """SGLang's contract is imported when the spec is first made, not with the module."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import dsv4.plugins.sglang_monokernel; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('sglang', 'vllm')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, check=True).stdout
+    assert out.strip() == "[]"
 
 
 def test_a_broken_spec_module_is_a_reason_not_a_crash(registry):

@@ -189,3 +189,37 @@ def test_no_module_imports_one_above_its_floor():
         assert not [t for t in graph[leaf] if _under(t, "dsv4")], leaf
     violations = floor_violations(graph)
     assert not violations, "imports above the floor:\n" + "\n".join(violations)
+
+
+# Host engines and optional GPU libraries: imported inside functions only, so `import dsv4` (and
+# any module of ours) works where they are not installed.
+OPTIONAL = ("sglang", "vllm", "aiter")
+
+
+def top_level_optional_imports(path: Path, source: str | None = None) -> list[str]:
+    """'line: module' for each import of an OPTIONAL package in the module's own body (top-level
+    statements, including those inside a top-level if / try / with), not inside a function."""
+    text = path.read_text() if source is None else source
+    found, pending = [], list(ast.parse(text, str(path)).body)
+    while pending:
+        node = pending.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        names = ([alias.name for alias in node.names] if isinstance(node, ast.Import) else
+                 [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level
+                 else [])
+        found += [f"{node.lineno}: {n}" for n in names if n.split(".")[0] in OPTIONAL]
+        for field in ("body", "orelse", "finalbody", "handlers"):
+            pending += getattr(node, field, [])
+    return sorted(found)
+
+
+def test_optional_import_check_sees_a_top_level_import():
+    src = ("import torch\nfrom sglang.srt import x\ntry:\n    import aiter\nexcept ImportError:\n"
+           "    pass\ndef f():\n    import vllm\n")
+    assert top_level_optional_imports(Path("m.py"), src) == ["2: sglang.srt", "4: aiter"]
+
+
+def test_no_module_imports_a_host_engine_or_aiter_at_its_top():
+    found = {name: top_level_optional_imports(path) for name, path in module_files().items()}
+    assert {name: lines for name, lines in found.items() if lines} == {}
