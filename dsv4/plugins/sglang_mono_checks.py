@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ..layers.quant_linear import fp8_weight_dtype
+from ..memory_estimate import available_bytes
 from ..parallel.split import split_problem
 from ..weights.formats import native_problem
 from .sglang_mono_config import hf_dict, model_config
@@ -128,7 +129,7 @@ def device_total_bytes() -> int | None:
     """Memory of the current GPU, or None without one."""
     if not torch.cuda.is_available():
         return None
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    return available_bytes(torch.device("cuda", torch.cuda.current_device()))
 
 
 def free_device_bytes() -> int | None:

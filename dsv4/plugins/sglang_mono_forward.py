@@ -35,10 +35,9 @@ logger = logging.getLogger(__name__)
 class DecodeMonokernel:
     """What the spec's build returns: `forward(plan, input_ids, positions, forward_batch)`."""
 
-    def __init__(self, model, options: Options, widths: tuple[int, ...]):
+    def __init__(self, model, options: Options):
         self.model = model
         self.options = options
-        self.widths = tuple(widths)
         self._views: dict[int, SGLangMonoPool] = {}
 
     def pool_view(self, pool) -> SGLangMonoPool:
@@ -101,4 +100,4 @@ def build(model: torch.nn.Module, hf_config: Any, context: Any) -> DecodeMonoker
                        max_seq_len(hf, config), options, rank_split(), model)
     logger.info("dsv4-rocm monokernel built on %s: %s weights, widths %s", context.isa,
                 ours.weights, list(context.widths))
-    return DecodeMonokernel(ours, options, context.widths)
+    return DecodeMonokernel(ours, options)
